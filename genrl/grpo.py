@@ -1,0 +1,94 @@
+"""The GRPO clipped-ratio loss and the choice of timesteps to train on."""
+
+from __future__ import annotations
+
+import torch
+
+
+def grpo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    clip_range: float,
+    kl: torch.Tensor | None = None,
+    beta: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped policy-ratio loss for one trained timestep of B samples, in float32.
+
+    ratio = exp(logp - logp_old)
+    L = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))) + beta mean(kl)
+
+    ``log_prob`` (B,) carries the gradient; ``old_log_prob`` (B,) (from the rollout),
+    ``advantages`` (B,) are constants. ``kl`` (B,) is the per-sample KL to the reference.
+
+    Stats (detached float32 scalars): ``policy_loss``, ``kl`` (when given),
+    ``approx_kl`` = 0.5 mean((logp - logp_old)^2), ``clipfrac`` (|ratio - 1| > eps),
+    ``clipfrac_high`` (ratio > 1 + eps), ``clipfrac_low`` (ratio < 1 - eps),
+    ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``adv_abs_mean``.
+    """
+    if clip_range <= 0:
+        raise ValueError(f"clip_range must be > 0, got {clip_range}.")
+    if log_prob.ndim != 1 or old_log_prob.shape != log_prob.shape or advantages.shape != log_prob.shape:
+        raise ValueError(
+            f"log_prob, old_log_prob and advantages must all be (B,), got {tuple(log_prob.shape)}, "
+            f"{tuple(old_log_prob.shape)} and {tuple(advantages.shape)}."
+        )
+    if beta != 0 and kl is None:
+        raise ValueError(f"beta={beta} weights a KL term, but no kl was given; pass kl or set beta to 0.")
+
+    log_prob = log_prob.float()
+    old = old_log_prob.detach().float()
+    adv = advantages.detach().float()
+    delta = log_prob - old
+    ratio = torch.exp(delta)
+    unclipped = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
+    policy_loss = torch.maximum(unclipped, clipped).mean()
+    loss = policy_loss
+
+    stats = {"policy_loss": policy_loss.detach()}
+    if kl is not None:
+        if kl.shape != log_prob.shape:
+            raise ValueError(f"kl must be (B,) like log_prob {tuple(log_prob.shape)}, got {tuple(kl.shape)}.")
+        kl_mean = kl.float().mean()
+        loss = loss + beta * kl_mean
+        stats["kl"] = kl_mean.detach()
+
+    with torch.no_grad():
+        r = ratio.detach()
+        stats["approx_kl"] = 0.5 * (delta.detach() ** 2).mean()
+        stats["clipfrac"] = ((r - 1.0).abs() > clip_range).float().mean()
+        stats["clipfrac_high"] = (r > 1.0 + clip_range).float().mean()
+        stats["clipfrac_low"] = (r < 1.0 - clip_range).float().mean()
+        stats["ratio_mean"] = r.mean()
+        stats["ratio_min"] = r.min()
+        stats["ratio_max"] = r.max()
+        stats["adv_abs_mean"] = adv.abs().mean()
+    return loss, stats
+
+
+def select_train_timesteps(
+    num_samples: int,
+    num_steps: int,
+    fraction: float,
+    generator: torch.Generator | None,
+    shuffle: bool = True,
+) -> torch.Tensor:
+    """Indices of the recorded timesteps each sample trains on, long ``(B, n_train)``.
+
+    n_train = max(1, floor(num_steps * fraction)); the floor forgives float error of 1e-6,
+    so 0.29 * 100 counts as 29, not 28. With ``shuffle`` every sample gets its own random
+    permutation of 0..num_steps-1 (argsort of uniform noise from ``generator``)
+    and keeps its first n_train entries, in that random order; without it every row is
+    0..n_train-1. The result is on the CPU.
+    """
+    if num_samples < 1 or num_steps < 1:
+        raise ValueError(f"num_samples and num_steps must be >= 1, got {num_samples} and {num_steps}.")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}.")
+    n_train = max(1, int(num_steps * fraction + 1e-6))
+    if not shuffle:
+        return torch.arange(n_train).expand(num_samples, n_train).clone()
+    device = generator.device if generator is not None else "cpu"
+    noise = torch.rand(num_samples, num_steps, generator=generator, device=device)
+    return noise.argsort(dim=1)[:, :n_train].cpu()

@@ -1,0 +1,128 @@
+"""Prompt-group sampling: every rank gets whole groups of K copies of a prompt.
+
+GRPO normalises a sample's reward against the other samples of its prompt, so the K
+copies of a prompt are generated on one rank (group statistics never need a partial
+group) and every rank runs the same number of equally sized batches (collectives stay in
+step). The epoch's draw of prompts is the same on every rank; ranks take contiguous
+blocks of it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from genrl.seeding import mix_seeds
+
+
+def check_batch_sizes(
+    *,
+    group_size: int,
+    train_batch_size: int,
+    num_processes: int,
+    batches_per_epoch: int,
+    num_prompts: int | None = None,
+    train_micro_batch_size: int | None = None,
+) -> None:
+    """Refuse batch sizes under which prompt groups would be split or ranks would drift.
+
+    ``train_batch_size`` is the number of samples per rollout batch per process, so one
+    rank produces ``train_batch_size * batches_per_epoch`` samples per epoch. That count
+    must be a multiple of ``group_size`` (whole groups per rank) and, when given, of
+    ``train_micro_batch_size`` (whole micro batches in the PPO phase).
+    """
+    for name, value in (
+        ("group_size", group_size),
+        ("train_batch_size", train_batch_size),
+        ("num_processes", num_processes),
+        ("batches_per_epoch", batches_per_epoch),
+    ):
+        if value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value}.")
+    if group_size < 2:
+        raise ValueError(
+            f"group_size must be at least 2 (GRPO compares samples of one prompt), got {group_size}."
+        )
+    if num_prompts is not None and num_prompts < 1:
+        raise ValueError(f"The prompt set is empty (num_prompts={num_prompts}); give at least one prompt.")
+
+    per_rank = train_batch_size * batches_per_epoch
+    if per_rank % group_size:
+        step = group_size // math.gcd(group_size, batches_per_epoch)
+        suggestion = -(-train_batch_size // step) * step
+        raise ValueError(
+            f"train_batch_size * batches_per_epoch = {train_batch_size} * {batches_per_epoch} = {per_rank} "
+            f"samples per rank per epoch is not a multiple of group_size {group_size}, so a prompt group "
+            f"would straddle ranks; use e.g. train_batch_size {suggestion} (a multiple of {step})."
+        )
+    if train_micro_batch_size is not None:
+        if train_micro_batch_size < 1:
+            raise ValueError(f"train_micro_batch_size must be a positive integer, got {train_micro_batch_size}.")
+        if per_rank % train_micro_batch_size:
+            below = max(d for d in range(1, train_micro_batch_size) if per_rank % d == 0)
+            raise ValueError(
+                f"train_micro_batch_size {train_micro_batch_size} does not divide the {per_rank} samples per rank "
+                f"per epoch (train_batch_size {train_batch_size} * batches_per_epoch {batches_per_epoch}); "
+                f"use a divisor of {per_rank}, e.g. {below}."
+            )
+
+
+class PromptGroupSampler:
+    """This rank's rollout batches of ``(prompt_index, index_in_group)`` pairs for an epoch.
+
+    Per epoch, G = num_processes * batches_per_epoch * batch_size / group_size prompts are
+    drawn with a generator seeded from ``mix_seeds(seed, epoch)``: the same draw on every
+    rank, without replacement while prompts last (fresh permutations are appended when G
+    exceeds the prompt count). Rank r takes the r-th contiguous block of G / num_processes
+    groups, lays them out group after group (index_in_group 0..K-1) and cuts the list into
+    ``batches_per_epoch`` batches of ``batch_size``.
+    """
+
+    def __init__(
+        self,
+        num_prompts: int,
+        group_size: int,
+        batch_size: int,
+        batches_per_epoch: int,
+        num_processes: int,
+        rank: int,
+        seed: int,
+    ):
+        check_batch_sizes(
+            group_size=group_size,
+            train_batch_size=batch_size,
+            num_processes=num_processes,
+            batches_per_epoch=batches_per_epoch,
+            num_prompts=num_prompts,
+        )
+        if not 0 <= rank < num_processes:
+            raise ValueError(f"rank {rank} is outside [0, {num_processes}) for {num_processes} processes.")
+        self.num_prompts = num_prompts
+        self.group_size = group_size
+        self.batch_size = batch_size
+        self.batches_per_epoch = batches_per_epoch
+        self.num_processes = num_processes
+        self.rank = rank
+        self.seed = seed
+        self.groups_per_rank = batch_size * batches_per_epoch // group_size
+        self.num_groups = self.groups_per_rank * num_processes
+
+    def epoch_groups(self, epoch: int) -> list[int]:
+        """The epoch's G prompt indices in dealing order, identical on every rank."""
+        generator = torch.Generator(device="cpu").manual_seed(mix_seeds(self.seed, epoch))
+        draws = []
+        drawn = 0
+        while drawn < self.num_groups:
+            draws.append(torch.randperm(self.num_prompts, generator=generator))
+            drawn += self.num_prompts
+        return torch.cat(draws)[: self.num_groups].tolist()
+
+    def batches(self, epoch: int) -> list[list[tuple[int, int]]]:
+        """This rank's ``batches_per_epoch`` batches, each ``batch_size`` pairs
+        ``(prompt_index, index_in_group)``."""
+        start = self.rank * self.groups_per_rank
+        groups = self.epoch_groups(epoch)[start : start + self.groups_per_rank]
+        samples = [(prompt, k) for prompt in groups for k in range(self.group_size)]
+        size = self.batch_size
+        return [samples[i : i + size] for i in range(0, len(samples), size)]

@@ -1,0 +1,115 @@
+from collections import defaultdict
+
+import pytest
+
+from genrl.sampler import PromptGroupSampler, check_batch_sizes
+
+
+def _all_ranks(num_processes, *, num_prompts=13, group_size=4, batch_size=6, batches_per_epoch=2, seed=7):
+    return [
+        PromptGroupSampler(num_prompts, group_size, batch_size, batches_per_epoch, num_processes, rank, seed)
+        for rank in range(num_processes)
+    ]
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4])
+def test_groups_are_whole_on_one_rank(num_processes):
+    # 5 prompts, 3 groups per rank: with 2 or 4 ranks some prompts are drawn twice in an epoch.
+    K = 4
+    samplers = _all_ranks(num_processes, num_prompts=5)
+    for epoch in range(3):
+        draw = samplers[0].epoch_groups(epoch)
+        copies = defaultdict(list)  # (rank, prompt) -> indices in group seen on that rank
+        for s in samplers:
+            for batch in s.batches(epoch):
+                for prompt, k in batch:
+                    copies[(s.rank, prompt)].append(k)
+        for (rank, prompt), ks in copies.items():
+            # Whole groups only: each index 0..K-1 appears equally often on the rank.
+            assert len(ks) % K == 0
+            assert sorted(ks) == sorted(list(range(K)) * (len(ks) // K))
+        for prompt in set(draw):
+            total = sum(len(ks) for (_, p), ks in copies.items() if p == prompt)
+            assert total == K * draw.count(prompt)
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4])
+def test_each_group_is_contiguous_and_complete(num_processes):
+    # Without repeats (G <= num_prompts) every group is one prompt on one rank, indices 0..K-1 in order.
+    samplers = _all_ranks(num_processes, num_prompts=100, group_size=3, batch_size=4, batches_per_epoch=3)
+    seen = {}
+    for s in samplers:
+        flat = [pair for batch in s.batches(0) for pair in batch]
+        for start in range(0, len(flat), 3):
+            group = flat[start : start + 3]
+            prompts = {p for p, _ in group}
+            assert len(prompts) == 1
+            assert [k for _, k in group] == [0, 1, 2]
+            prompt = prompts.pop()
+            assert prompt not in seen, "a prompt was drawn twice while prompts remained"
+            seen[prompt] = s.rank
+
+
+@pytest.mark.parametrize("num_processes", [1, 2, 4])
+def test_every_rank_gets_same_batches_and_union_is_global_draw(num_processes):
+    samplers = _all_ranks(num_processes)
+    for epoch in range(2):
+        draws = [s.epoch_groups(epoch) for s in samplers]
+        assert all(d == draws[0] for d in draws), "ranks disagree on the epoch's draw"
+        assert len(draws[0]) == num_processes * 2 * 6 // 4
+        dealt = []
+        for s in samplers:
+            batches = s.batches(epoch)
+            assert len(batches) == 2
+            assert all(len(b) == 6 for b in batches)
+            flat = [pair for b in batches for pair in b]
+            dealt.extend(p for p, k in flat if k == 0)
+        assert dealt == draws[0]
+
+
+def test_draw_is_without_replacement_while_prompts_last():
+    # 4 ranks x 12 samples / 4 = 12 groups from 13 prompts: no repeats.
+    draw = _all_ranks(4)[0].epoch_groups(0)
+    assert len(set(draw)) == len(draw) == 12
+    # 3 groups from 2 prompts: the first two are a permutation, then a fresh one starts.
+    s = PromptGroupSampler(2, 2, 3, 2, 1, 0, seed=1)
+    draw = s.epoch_groups(5)
+    assert len(draw) == 3 and sorted(draw[:2]) == [0, 1]
+
+
+def test_deterministic_per_epoch_and_changes_across_epochs():
+    a = PromptGroupSampler(50, 4, 8, 2, 2, 1, seed=3)
+    b = PromptGroupSampler(50, 4, 8, 2, 2, 1, seed=3)
+    assert a.batches(4) == b.batches(4)
+    assert a.batches(4) != a.batches(5)
+    assert a.batches(4) != PromptGroupSampler(50, 4, 8, 2, 2, 1, seed=4).batches(4)
+
+
+def test_check_batch_sizes_accepts_good_sizes():
+    check_batch_sizes(group_size=4, train_batch_size=2, num_processes=8, batches_per_epoch=2, num_prompts=10,
+                      train_micro_batch_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs, pattern",
+    [
+        (dict(group_size=1), r"group_size must be at least 2.*got 1"),
+        (dict(train_batch_size=3), r"3 \* 2 = 6 samples per rank.*not a multiple of group_size 4.*train_batch_size 4"),
+        (dict(batches_per_epoch=3, train_batch_size=2), r"2 \* 3 = 6 samples.*group_size 4.*train_batch_size 4"),
+        (dict(num_prompts=0), r"prompt set is empty \(num_prompts=0\)"),
+        (dict(train_micro_batch_size=3), r"train_micro_batch_size 3 does not divide the 8 samples.*e\.g\. 2"),
+        (dict(num_processes=0), r"num_processes must be a positive integer, got 0"),
+    ],
+)
+def test_check_batch_sizes_refuses_bad_sizes(kwargs, pattern):
+    sizes = dict(group_size=4, train_batch_size=4, num_processes=2, batches_per_epoch=2, num_prompts=10)
+    sizes.update(kwargs)
+    with pytest.raises(ValueError, match=pattern):
+        check_batch_sizes(**sizes)
+
+
+def test_sampler_refuses_bad_sizes_and_rank():
+    with pytest.raises(ValueError, match="not a multiple of group_size 4"):
+        PromptGroupSampler(10, 4, 3, 1, 2, 0, seed=0)
+    with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
+        PromptGroupSampler(10, 4, 4, 1, 2, 2, seed=0)
