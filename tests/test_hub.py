@@ -1,0 +1,176 @@
+"""Hub push and model card, against a local fake Hub (tests/fake_hub_server.py): no network."""
+
+import os
+import socket
+import time
+
+import cv2
+import huggingface_hub.constants
+import numpy as np
+import pytest
+from huggingface_hub import ModelCard
+
+from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
+from genrl.model_card import write_model_card
+from tests.fake_hub_server import FakeHubServer
+
+TOKEN = "hf_dummy_token_for_tests"
+
+
+@pytest.fixture
+def hub(monkeypatch, tmp_path):
+    """A fake Hub; huggingface_hub pointed at it (ENDPOINT is read when HfApi is built)."""
+    with FakeHubServer() as server:
+        monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)  # conftest sets it on
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", server.endpoint)
+        monkeypatch.setattr(huggingface_hub.constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agents.json"))
+        yield server
+    assert server.unhandled == []
+
+
+def _snapshot(folder) -> dict[str, bytes]:
+    """Every file under ``folder``: relative posix path -> bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            out[os.path.relpath(path, folder).replace(os.sep, "/")] = open(path, "rb").read()
+    return out
+
+
+def _write(path, data: bytes):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+@pytest.fixture
+def export_dir(tmp_path):
+    """A final export as the trainer leaves it: model files, model card, logs, and two
+    intermediate checkpoints that must never be pushed."""
+    root = tmp_path / "run"
+    rng = np.random.default_rng(0)
+    _write(root / "genrl_config.json", b'{"base_model": "tiny/wan", "family": "wan", "use_lora": false}')
+    _write(root / "transformer" / "config.json", b'{"_class_name": "WanTransformer3DModel"}')
+    _write(root / "transformer" / "diffusion_pytorch_model.safetensors", rng.bytes(4096))
+    _write(root / "logs" / "metrics.jsonl", b'{"step": 1, "reward/r_mean": 0.5}\n')
+    cv2.imwrite(str(root / "samples.png"), rng.integers(0, 255, (16, 32, 3), dtype=np.uint8))
+    for step in (10, 20):
+        ckpt = root / f"checkpoint-{step}"
+        _write(ckpt / "genrl_config.json", b"{}")
+        _write(ckpt / "transformer" / "diffusion_pytorch_model.safetensors", rng.bytes(1024))
+        _write(ckpt / "optimizer.bin", rng.bytes(2048))
+        _write(ckpt / "random_states_0.pkl", rng.bytes(64))
+    write_model_card(
+        str(root), base_model="tiny/wan", reward_spec="jpeg_compressibility:1.0",
+        hyperparameters={"learning_rate": 1e-5}, eval_metrics={"jpeg_compressibility": {"mean": 0.25, "std": 0.5}},
+        sample_images=["samples.png"], launch_command="accelerate launch train_genrl.py", tags=["test"],
+    )
+    return root
+
+
+def test_push_uploads_the_export_and_card_without_checkpoints(hub, export_dir):
+    url = push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN, commit_message="final model")
+
+    local = _snapshot(export_dir)
+    expected = {p: b for p, b in local.items() if not p.startswith("checkpoint-")}
+    assert hub.files["me/wan-grpo"] == expected  # same paths, same bytes
+    assert "README.md" in expected and "transformer/diffusion_pytorch_model.safetensors" in expected
+    assert not any("optimizer" in p or p.startswith("checkpoint-") for p in hub.files["me/wan-grpo"])
+    assert hub.commits["me/wan-grpo"] == ["final model"]
+    assert url.startswith(hub.endpoint + "/me/wan-grpo/commit/")
+    assert _snapshot(export_dir) == local  # pushing never touches local files
+
+
+def test_push_to_an_existing_repo_updates_it(hub, export_dir):
+    push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN)
+    _write(export_dir / "genrl_config.json", b'{"changed": true}')
+    push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN, commit_message="second")
+    assert hub.files["me/wan-grpo"]["genrl_config.json"] == b'{"changed": true}'
+    assert hub.commits["me/wan-grpo"][-1] == "second"
+    assert [r for r in hub.requests if r == ("POST", "/api/repos/create")] == [("POST", "/api/repos/create")] * 2
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_push_with_the_hub_down_fails_clearly_and_keeps_the_export(monkeypatch, export_dir):
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{_closed_port()}")
+    before = _snapshot(export_dir)
+
+    start = time.monotonic()
+    with pytest.raises(HubPushError) as info:
+        push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN)
+    message = str(info.value)
+    assert "Creating the Hub repo 'me/wan-grpo'" in message
+    assert f"local export at {export_dir} is intact" in message
+    assert time.monotonic() - start < 30  # a refused connection is not retried for minutes
+    assert _snapshot(export_dir) == before
+
+
+def test_push_refused_at_commit_names_the_upload_and_keeps_the_export(hub, export_dir):
+    hub.reject_commits = True
+    before = _snapshot(export_dir)
+    with pytest.raises(HubPushError, match=r"(?s)Uploading .* to the Hub repo 'me/wan-grpo'.*local export at .* is intact"):
+        push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN)
+    assert hub.files["me/wan-grpo"] == {}
+    assert _snapshot(export_dir) == before
+
+
+def test_push_refuses_a_missing_or_empty_export(tmp_path):
+    (tmp_path / "empty").mkdir()
+    for folder in (tmp_path / "empty", tmp_path / "absent"):
+        with pytest.raises(ValueError, match="not a folder holding an export"):
+            push_to_hub(str(folder), repo_id="me/x", token=TOKEN)
+
+
+def test_checkpoint_push_runs_in_background_and_sends_only_model_files(hub, export_dir):
+    future = push_checkpoint_async(str(export_dir / "checkpoint-20"), repo_id="me/wan-grpo", token=TOKEN, step=20)
+    url = future.result(timeout=60)
+    assert url.startswith(hub.endpoint)
+    ckpt = _snapshot(export_dir / "checkpoint-20")
+    assert hub.files["me/wan-grpo"] == {
+        "genrl_config.json": ckpt["genrl_config.json"],
+        "transformer/diffusion_pytorch_model.safetensors": ckpt["transformer/diffusion_pytorch_model.safetensors"],
+    }
+    assert hub.commits["me/wan-grpo"] == ["Training in progress, step 20"]
+
+
+def test_model_card_metadata_and_body(export_dir, tmp_path):
+    card = ModelCard.load(str(export_dir / "README.md"))
+    assert card.data.base_model == "tiny/wan"
+    assert card.data.library_name == "diffusers"
+    assert {"genrl", "grpo", "test"} <= set(card.data.tags) and "lora" not in card.data.tags
+    assert "| jpeg_compressibility | 0.2500 | 0.5000 |" in card.text
+    assert "![sample 1](samples.png)" in card.text
+    assert "accelerate launch train_genrl.py" in card.text
+    assert 'subfolder="transformer"' in card.text
+
+
+def test_model_card_for_a_lora_export_with_a_local_base_and_outside_images(tmp_path):
+    export = tmp_path / "lora"
+    _write(export / "pytorch_lora_weights.safetensors", b"x")
+    base = tmp_path / "base_model"
+    base.mkdir()
+    image = tmp_path / "elsewhere" / "grid.png"
+    image.parent.mkdir()
+    cv2.imwrite(str(image), np.zeros((4, 4, 3), np.uint8))
+
+    path = write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters={"rank": 4},
+                            eval_metrics=None, sample_images=[str(image)], launch_command="", tags=None)
+    card = ModelCard.load(path)
+    assert card.data.base_model is None  # a local path is not a Hub id
+    assert "lora" in card.data.tags
+    assert "load_lora_weights" in card.text and "## Evaluation" not in card.text
+    assert (export / "samples" / "grid.png").read_bytes() == image.read_bytes()
+    assert "![sample 1](samples/grid.png)" in card.text
+
+
+def test_model_card_names_a_missing_image(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.png"):
+        write_model_card(str(tmp_path), base_model="a/b", reward_spec="r", hyperparameters={},
+                         sample_images=["nope.png"])
