@@ -1,0 +1,265 @@
+"""Reward registry and the combined reward function the trainer calls.
+
+Spec grammar (``--reward_fn``), items separated by commas, whitespace ignored::
+
+    item   := name [":" weight]            weight: a plain number (1, 0.5, -2, 1e-3); default 1.0
+    name   := registered name              e.g. hpsv3, videoalign_ta, jpeg_compressibility
+            | module ":" function          your own reward, e.g. mypkg.rewards:my_fn
+
+    "hpsv3:1.0,videoalign_ta:0.5"          two registered rewards
+    "mypkg.rewards:my_fn:0.5"              your function with weight 0.5
+    "mypkg.rewards:my_fn"                  your function with weight 1.0
+
+An item with one colon is ``name:weight`` when the part after it is a number, else
+``module:function``. Registered names never contain a colon.
+
+A registered reward is a *factory*: ``factory(name=..., device=..., **options)`` returns a
+callable ``fn(samples, prompts, metadata)`` giving a Tensor ``(N,)`` or a dict of named
+``(N,)`` sub-scores, in which case the registry name is the key read. One factory may serve
+several names; when names of one factory with the same options are requested together and
+the first one's dict holds all of them, it is called once per batch for all of them (e.g.
+videoalign_vq + videoalign_ta: one forward pass). Factories share models through
+`genrl.rewards.lifecycle.get_reward_model`.
+
+Factories may be registered as ``"package.module:function"`` strings, imported on first
+use, so that importing the registry never imports a reward model's heavy dependencies.
+
+A user function is the reward callable itself, ``fn(samples, prompts, metadata)``; its
+options, if any, are passed as keyword arguments on every call.
+
+``samples`` reach every reward as the rollout gives them (float ``(N, C, F, H, W)`` in [0, 1],
+on the CPU) or in any layout `genrl.rewards.layouts.prepare_images` accepts; rewards call
+`prepare_images` themselves.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+import threading
+from typing import Any, Callable, Mapping, Sequence, Union
+
+import numpy as np
+import torch
+
+Factory = Callable[..., Callable[..., Any]]
+
+_NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
+_TOTAL = "total"
+
+_REGISTRY: dict[str, Union[Factory, str]] = {}
+_RESOLVE_LOCK = threading.Lock()
+
+
+def register_reward(name: str, factory: Union[Factory, str], *, overwrite: bool = False) -> None:
+    """Register ``factory`` (a callable, or a ``"package.module:function"`` path imported
+    on first use) under ``name``.
+
+    Registering the same target again is a no-op (a module may register the function a
+    path already points to); replacing another target needs ``overwrite=True``.
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or name == _TOTAL:
+        raise ValueError(
+            f"Invalid reward name {name!r}: use letters, digits, '_', '.', '-' (no ':' or ','), and not 'total'."
+        )
+    if isinstance(factory, str):
+        _split_path(factory)
+    elif not callable(factory):
+        raise TypeError(f"A reward factory must be callable or a 'module:function' string, got {factory!r}.")
+    old = _REGISTRY.get(name)
+    if old is not None and not overwrite and _target(old) != _target(factory):
+        raise ValueError(f"Reward {name!r} is already registered to {_target(old)}; pass overwrite=True to replace it.")
+    _REGISTRY[name] = factory
+
+
+def known_rewards() -> list[str]:
+    """Sorted names of every registered reward."""
+    return sorted(_REGISTRY)
+
+
+def _target(factory: Union[Factory, str]) -> str:
+    if isinstance(factory, str):
+        return factory
+    return f"{getattr(factory, '__module__', '?')}:{getattr(factory, '__qualname__', repr(factory))}"
+
+
+def _split_path(path: str) -> tuple[str, str]:
+    module, sep, attr = path.partition(":")
+    if not sep or not module or not attr.isidentifier() or not all(p.isidentifier() for p in module.split(".")):
+        raise ValueError(f"Invalid dotted path {path!r}; expected 'package.module:function'.")
+    return module, attr
+
+
+def _import_path(path: str, what: str) -> Callable[..., Any]:
+    module_name, attr = _split_path(path)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"Could not import module {module_name!r} for {what}: {e}") from e
+    obj = getattr(module, attr, None)
+    if not callable(obj):
+        raise ValueError(f"{module_name}.{attr} for {what} does not exist or is not callable.")
+    return obj
+
+
+def _factory(name: str) -> Factory:
+    """The registered factory, importing a dotted path on first use."""
+    with _RESOLVE_LOCK:
+        factory = _REGISTRY[name]
+        if isinstance(factory, str):
+            factory = _import_path(factory, f"reward {name!r}")
+            # The import may itself have registered the name; keep a resolved callable.
+            _REGISTRY[name] = factory
+        return factory
+
+
+def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
+    """``"name:weight,name:weight"`` -> ``[(name, weight), ...]`` (grammar in the module doc).
+
+    Registered names are checked here; user ``module:function`` names when the reward is built.
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"Empty reward spec {spec!r}; expected 'name:weight,...' with names from {known_rewards()}.")
+    parsed: list[tuple[str, float]] = []
+    for raw in spec.split(","):
+        item = raw.strip()
+        parts = [p.strip() for p in item.split(":")]
+        if len(parts) == 1:
+            name, weight = parts[0], "1"
+        elif len(parts) == 2 and (_NUMBER.match(parts[1]) or parts[0] in _REGISTRY or not parts[1].isidentifier()):
+            name, weight = parts
+        elif len(parts) == 2:
+            name, weight = f"{parts[0]}:{parts[1]}", "1"
+        elif len(parts) == 3:
+            name, weight = f"{parts[0]}:{parts[1]}", parts[2]
+        else:
+            raise ValueError(f"Cannot parse reward item {item!r}; expected 'name', 'name:weight' or 'module:function:weight'.")
+        if ":" in name:
+            _split_path(name)
+        elif name not in _REGISTRY:
+            raise ValueError(f"Unknown reward {name!r}; known rewards: {known_rewards()} (or 'package.module:function').")
+        if not _NUMBER.match(weight):
+            raise ValueError(f"Bad weight {weight!r} for reward {name!r} in {spec!r}; expected a number such as 0.5.")
+        if any(name == n for n, _ in parsed):
+            raise ValueError(f"Reward {name!r} appears twice in {spec!r}.")
+        parsed.append((name, float(weight)))
+    return parsed
+
+
+def _as_scores(value: Any, name: str, n: int) -> torch.Tensor:
+    """One reward's output -> float32 CPU ``(N,)``, or an error naming the reward."""
+    try:
+        scores = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value)
+    except Exception as e:
+        raise TypeError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
+    scores = scores.detach().to("cpu", torch.float32)
+    if tuple(scores.shape) != (n,):
+        raise ValueError(f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample.")
+    if not torch.isfinite(scores).all():
+        raise ValueError(f"Reward {name!r} returned non-finite scores {scores.tolist()}.")
+    return scores
+
+
+class RewardFn:
+    """Weighted sum of named rewards.
+
+    ``reward_fn(samples, prompts, metadata=None)`` -> ``{name: (N,) float32 CPU, ..., "total": (N,)}``
+    with ``total = sum_i weight_i * score_i``. Attributes: ``names``, ``weights``, ``device``.
+    """
+
+    def __init__(self, names: list[str], weights: list[float], fns: list[Callable[..., Any]], groups: list[list[int]], device):
+        self.names, self.weights, self.device = names, weights, device
+        self._fns, self._groups = fns, groups
+
+    def __repr__(self) -> str:
+        spec = ",".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights))
+        return f"RewardFn({spec!r}, device={str(self.device)!r})"
+
+    def _call(self, i: int, samples, prompts, metadata) -> Any:
+        try:
+            return self._fns[i](samples, prompts, metadata)
+        except Exception as e:
+            raise RuntimeError(f"Reward {self.names[i]!r} failed: {type(e).__name__}: {e}") from e
+
+    def __call__(self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None) -> dict[str, torch.Tensor]:
+        n = len(samples)
+        if prompts is not None and len(prompts) != n:
+            raise ValueError(f"Got {len(prompts)} prompts for {n} samples.")
+        if metadata is not None and len(metadata) != n:
+            raise ValueError(f"Got {len(metadata)} metadata entries for {n} samples.")
+        out: dict[str, torch.Tensor] = {}
+        for group in self._groups:
+            first = self._call(group[0], samples, prompts, metadata)
+            shared = isinstance(first, Mapping) and all(self.names[i] in first for i in group)
+            for i in group:
+                name = self.names[i]
+                value = first if i == group[0] or shared else self._call(i, samples, prompts, metadata)
+                if isinstance(value, Mapping):
+                    if name not in value:
+                        raise ValueError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
+                    value = value[name]
+                out[name] = _as_scores(value, name, n)
+        out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
+        total = torch.zeros(n, dtype=torch.float32)
+        for name, weight in zip(self.names, self.weights):
+            total += weight * out[name]
+        out[_TOTAL] = total
+        return out
+
+
+def build_reward_fn(
+    spec: str, *, device: str | torch.device = "cpu", options: Mapping[str, Mapping[str, Any]] | None = None
+) -> RewardFn:
+    """Build every reward of ``spec`` now (errors surface at start-up, not mid-epoch).
+
+    ``options[name]`` are passed to that reward's factory (user functions: to every call).
+    """
+    parsed = parse_reward_spec(spec)
+    options = dict(options or {})
+    unused = sorted(set(options) - {n for n, _ in parsed})
+    if unused:
+        raise ValueError(f"Options given for rewards {unused} that are not in the spec {spec!r}.")
+    device = torch.device(device)
+    names, weights, fns, groups = [], [], [], []
+    group_keys: list[tuple[Any, dict]] = []  # (factory, options) of each group
+    for name, weight in parsed:
+        opts = dict(options.get(name, {}))
+        if ":" in name:
+            fn = _import_path(name, f"reward {name!r}")
+            if opts:
+                fn = _with_kwargs(fn, opts)
+            key = None  # user functions are never grouped
+        else:
+            factory = _factory(name)
+            fn = factory(name=name, device=device, **opts)
+            key = (factory, opts)
+        index = len(names)
+        names.append(name)
+        weights.append(weight)
+        fns.append(fn)
+        match = next((g for g, k in zip(groups, group_keys) if key is not None and k[0] is key[0] and k[1] == key[1]), None)
+        if match is None:
+            groups.append([index])
+            group_keys.append(key if key is not None else (object(), {}))
+        else:
+            match.append(index)
+    return RewardFn(names, weights, fns, groups, device)
+
+
+def _with_kwargs(fn: Callable[..., Any], kwargs: dict) -> Callable[..., Any]:
+    def call(samples, prompts, metadata):
+        return fn(samples, prompts, metadata, **kwargs)
+
+    return call
+
+
+# Built-in rewards, resolved on first use.
+for _name in ("jpeg_compressibility", "jpeg_incompressibility"):
+    register_reward(_name, "genrl.rewards.rule_based:build_jpeg_reward")
+register_reward("temporal_smoothness", "genrl.rewards.rule_based:build_temporal_smoothness_reward")
+for _name in ("hpsv3", "hpsv3_top30"):
+    register_reward(_name, "genrl.rewards.hpsv3:build_hpsv3_reward")
+for _name in ("videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"):
+    register_reward(_name, "genrl.rewards.videoalign:build_videoalign_reward")
