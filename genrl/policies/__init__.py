@@ -1,0 +1,97 @@
+"""Model-family adapters and ``load_policy``, which picks one from a pipeline's model_index.json."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import diffusers
+import torch
+
+from genrl.policies.base import FlowPolicy
+from genrl.policies.flux import FluxPolicy
+from genrl.policies.sd3 import SD3Policy
+from genrl.policies.wan import WanPolicy
+
+# Pipeline class name (model_index.json "_class_name") -> adapter.
+POLICIES: dict[str, type[FlowPolicy]] = {
+    "WanPipeline": WanPolicy,
+    "StableDiffusion3Pipeline": SD3Policy,
+    "FluxPipeline": FluxPolicy,
+}
+
+# Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
+SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
+
+__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+
+
+def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
+    """``filename`` from a local folder, or from the Hub when ``path_or_id`` is not a folder."""
+    if os.path.isdir(path_or_id):
+        path = os.path.join(path_or_id, filename)
+        if not os.path.isfile(path):
+            if required:
+                raise ValueError(f"{path_or_id!r} has no {filename}; expected a diffusers pipeline folder.")
+            return None
+    else:
+        from huggingface_hub import hf_hub_download
+
+        try:
+            path = hf_hub_download(path_or_id, filename, revision=revision)
+        except Exception as error:  # not found, offline, invalid id: all mean "cannot get it"
+            if required:
+                raise ValueError(
+                    f"{path_or_id!r} is neither a local pipeline folder nor a Hub model id whose {filename}"
+                    f" could be fetched ({type(error).__name__})."
+                ) from error
+            return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def policy_for_pipeline(pipeline, **defaults) -> FlowPolicy:
+    """The adapter for an already loaded pipeline; ``defaults`` are ``default_height`` etc."""
+    name = type(pipeline).__name__
+    if name not in POLICIES:
+        raise ValueError(f"Unsupported pipeline class {name!r}; supported: {sorted(POLICIES)}.")
+    return POLICIES[name](pipeline, **defaults)
+
+
+def load_policy(
+    pretrained_model_name_or_path: str,
+    *,
+    revision: str | None = None,
+    variant: str | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> FlowPolicy:
+    """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
+
+    Text encoders and VAE are loaded in ``dtype``; the transformer always in float32 (the
+    trainer casts and prepares it). Components saved as null in model_index.json (e.g. SD3
+    without T5) stay None. A ``sampling_defaults.json`` next to model_index.json, when
+    present, sets the default sampling size.
+    """
+    path = os.fspath(pretrained_model_name_or_path)
+    index = _read_json(path, "model_index.json", revision, required=True)
+    class_name = index.get("_class_name")
+    if class_name not in POLICIES:
+        raise ValueError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+    absent = {
+        name: None
+        for name, value in index.items()
+        if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is None
+    }
+    pipeline = getattr(diffusers, class_name).from_pretrained(
+        path,
+        revision=revision,
+        variant=variant,
+        dtype={"default": dtype, "transformer": torch.float32},
+        **absent,
+    )
+    pipeline.set_progress_bar_config(disable=True)
+    sizes = _read_json(path, SAMPLING_DEFAULTS_FILE, revision, required=False) or {}
+    unknown = set(sizes) - {"height", "width", "num_frames"}
+    if unknown:
+        raise ValueError(f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames.")
+    return POLICIES[class_name](pipeline, **{f"default_{k}": int(v) for k, v in sizes.items()})

@@ -1,0 +1,238 @@
+"""The interface the rollout loop and the trainer see: one thin adapter per model family.
+
+A ``FlowPolicy`` wraps a loaded diffusers pipeline. It owns the frozen parts (text encoders,
+VAE) and knows the family's conventions (prompt encoding, latent layout, timestep scaling,
+guidance, decoding), while the trainable transformer is always passed in explicitly, since
+the trainer calls it wrapped (DeepSpeed / DDP) or unwrapped.
+
+Conventions shared by every family:
+- embeddings are a dict of batch-first tensors ``(B, ...)`` so they can be sliced and
+  concatenated per sample; true-CFG families add ``negative_*`` keys;
+- latents are float32 in the layout the denoising loop steps: Wan ``(B, C, F', h, w)``,
+  SD3 and FLUX ``(B, C, h, w)`` (FLUX packs its 2x2 patches inside ``predict_velocity``);
+- timesteps are in scheduler units ``[0, num_train_timesteps]``, sigmas in ``[0, 1]``;
+- decoded samples are float ``(B, C, F, H, W)`` in ``[0, 1]`` (F = 1 for images).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from genrl.seeding import randn_per_sample
+
+
+def calculate_shift(
+    image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float
+) -> float:
+    """Resolution-dependent shift ``mu`` of FLUX/SD3.5: linear in the number of image tokens,
+    mu = base_shift + (max_shift - base_shift) * (L - base_seq_len) / (max_seq_len - base_seq_len)."""
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * slope + (base_shift - slope * base_seq_len)
+
+
+def unwrap_module(module: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / DeepSpeed / torch.compile wrappers."""
+    while True:
+        if hasattr(module, "module") and isinstance(module.module, torch.nn.Module):
+            module = module.module
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        else:
+            return module
+
+
+def module_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype inputs of ``module`` should be cast to (its first floating parameter's)."""
+    inner = unwrap_module(module)
+    dtype = getattr(inner, "dtype", None)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    for param in inner.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
+
+
+def as_flow_match_scheduler(scheduler) -> FlowMatchEulerDiscreteScheduler:
+    """The pipeline's scheduler if it is a ``FlowMatchEulerDiscreteScheduler``; otherwise one
+    built with the same shift (Wan ships ``UniPCMultistepScheduler`` with ``flow_shift``), since
+    the SDE step and its log-prob are defined on the flow-matching Euler schedule."""
+    if isinstance(scheduler, FlowMatchEulerDiscreteScheduler):
+        return scheduler
+    config = scheduler.config
+    shift = config.get("flow_shift", None) or config.get("shift", None) or 1.0
+    return FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=config.get("num_train_timesteps", 1000), shift=float(shift)
+    )
+
+
+class FlowPolicy:
+    """Adapter over a diffusers flow-matching pipeline. Subclasses fill in the family's parts.
+
+    Attributes:
+        family: "wan", "sd3" or "flux".
+        pipeline: the wrapped diffusers pipeline.
+        transformer: ``pipeline.transformer``, the trainable module.
+        scheduler: the ``FlowMatchEulerDiscreteScheduler`` sampling uses.
+        is_video: whether samples have more than one frame.
+        default_height, default_width, default_num_frames: sampling size when none is given.
+    """
+
+    family: str = ""
+    is_video: bool = False
+    uses_true_cfg: bool = True  # CFG as two forwards (cond, uncond); else guidance is an input
+
+    def __init__(
+        self,
+        pipeline,
+        *,
+        default_height: int | None = None,
+        default_width: int | None = None,
+        default_num_frames: int | None = None,
+    ):
+        if getattr(pipeline, "transformer", None) is None:
+            raise ValueError(f"{type(pipeline).__name__} has no transformer; genrl trains the pipeline's transformer.")
+        self.pipeline = pipeline
+        self.transformer = pipeline.transformer
+        self.scheduler = as_flow_match_scheduler(pipeline.scheduler)
+        height, width, num_frames = self.pipeline_default_size()
+        self.default_height = default_height or height
+        self.default_width = default_width or width
+        self.default_num_frames = default_num_frames or num_frames
+
+    # ----- family-specific parts -------------------------------------------------------
+
+    def pipeline_default_size(self) -> tuple[int, int, int]:
+        """(height, width, num_frames) the pipeline itself samples at by default."""
+        raise NotImplementedError
+
+    def frozen_modules(self) -> dict[str, torch.nn.Module]:
+        """Text encoders and VAE by component name."""
+        return {
+            name: module
+            for name, module in self.pipeline.components.items()
+            if isinstance(module, torch.nn.Module) and name.startswith(("text_encoder", "vae"))
+        }
+
+    def encode_prompts(
+        self, prompts: list[str], device: torch.device | str, guidance_scale: float, negative_prompt: str = ""
+    ) -> dict[str, torch.Tensor]:
+        """Text embeddings, every tensor ``(B, ...)``; with true CFG (guidance_scale > 1) also
+        the ``negative_*`` embeddings of ``negative_prompt``."""
+        raise NotImplementedError
+
+    def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
+        """Shape of one sample's latents (without the batch dim); fails on sizes the model cannot take."""
+        raise NotImplementedError
+
+    def image_seq_len(self, latents: torch.Tensor) -> int:
+        """Number of image tokens the transformer sees for ``latents`` (sets FLUX/SD3.5's shift)."""
+        raise NotImplementedError
+
+    def schedule_kwargs(self, num_inference_steps: int, latents: torch.Tensor) -> dict:
+        """Extra arguments of ``scheduler.set_timesteps``, as the family's pipeline passes them."""
+        config = self.scheduler.config
+        if not config.get("use_dynamic_shifting", False):
+            return {}
+        mu = calculate_shift(
+            self.image_seq_len(latents),
+            config.get("base_image_seq_len", 256),
+            config.get("max_image_seq_len", 4096),
+            config.get("base_shift", 0.5),
+            config.get("max_shift", 1.16),
+        )
+        return {"mu": mu}
+
+    def predict_velocity(
+        self,
+        transformer: torch.nn.Module,
+        latents: torch.Tensor,
+        timestep: torch.Tensor,
+        embeds: dict[str, torch.Tensor],
+        guidance_scale: float,
+    ) -> torch.Tensor:
+        """Velocity v, float32, shaped like ``latents``; ``timestep`` is ``(B,)`` in scheduler
+        units. With true CFG: v = v_u + g (v_c - v_u), cond and uncond in one forward."""
+        raise NotImplementedError
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Latents -> float32 ``(B, C, F, H, W)`` in [0, 1], as the pipeline decodes them."""
+        raise NotImplementedError
+
+    # ----- shared parts ------------------------------------------------------------------
+
+    def use_cfg(self, guidance_scale: float) -> bool:
+        """Whether sampling at ``guidance_scale`` runs the unconditional branch too."""
+        return self.uses_true_cfg and guidance_scale > 1.0
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "FlowPolicy":
+        """Move the frozen parts (text encoders, VAE) to ``device`` (and ``dtype``), freeze them
+        and put them in eval mode. The transformer is left alone: the trainer prepares it."""
+        for module in self.frozen_modules().values():
+            module.to(device) if dtype is None else module.to(device, dtype)
+            module.requires_grad_(False)
+            module.eval()
+        return self
+
+    def resolve_size(
+        self, height: int | None, width: int | None, num_frames: int | None
+    ) -> tuple[int, int, int]:
+        """Fill unset sizes with the policy defaults; images always have one frame."""
+        height = height or self.default_height
+        width = width or self.default_width
+        num_frames = (num_frames or self.default_num_frames) if self.is_video else 1
+        return height, width, num_frames
+
+    def prepare_latents(
+        self,
+        generators: Sequence[torch.Generator],
+        height: int,
+        width: int,
+        num_frames: int,
+        device: torch.device | str,
+    ) -> torch.Tensor:
+        """Initial noise ``(B, *latent_shape)`` float32; sample i drawn from ``generators[i]``
+        on the CPU (identical on every machine and batch layout), then moved to ``device``."""
+        if len(generators) == 0:
+            raise ValueError("prepare_latents needs one generator per sample; got an empty list.")
+        return randn_per_sample(self.latent_shape(height, width, num_frames), generators, device)
+
+    def timesteps_and_sigmas(
+        self, num_inference_steps: int, latents: torch.Tensor, device: torch.device | str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sampling schedule: timesteps ``(T,)`` in scheduler units and sigmas ``(T + 1,)``
+        float32, from 1 down to a final 0, exactly as the family's pipeline sets them."""
+        if num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be at least 1; got {num_inference_steps}.")
+        self.scheduler.set_timesteps(
+            num_inference_steps, device=device, **self.schedule_kwargs(num_inference_steps, latents)
+        )
+        timesteps = self.scheduler.timesteps.to(device=device, dtype=torch.float32).clone()
+        sigmas = self.scheduler.sigmas.to(device=device, dtype=torch.float32).clone()
+        if sigmas[-1] != 0 or not bool((sigmas[1:] < sigmas[:-1]).all()):
+            raise ValueError("The scheduler must give decreasing sigmas ending at 0 (invert_sigmas is not supported).")
+        return timesteps, sigmas
+
+    def _guided(self, velocity: torch.Tensor, guidance_scale: float) -> torch.Tensor:
+        """Split a ``[uncond; cond]`` batch and combine: v = v_u + g (v_c - v_u), float32."""
+        v_uncond, v_cond = velocity.float().chunk(2)
+        return v_uncond + guidance_scale * (v_cond - v_uncond)
+
+    def _require(self, embeds: dict[str, torch.Tensor], *keys: str) -> list[torch.Tensor]:
+        missing = [k for k in keys if k not in embeds]
+        if missing:
+            raise ValueError(
+                f"{self.family} embeddings lack {missing}; encode_prompts with the same guidance_scale"
+                " (> 1 adds the negative embeddings) as the one sampling uses."
+            )
+        return [embeds[k] for k in keys]
+
+
+def check_divisible(name: str, value: int, multiple: int) -> None:
+    """One clear error for a size the VAE and patchifier cannot take."""
+    if value <= 0 or value % multiple != 0:
+        raise ValueError(f"{name}={value} is not supported; it must be a positive multiple of {multiple}.")
+

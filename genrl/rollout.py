@@ -1,0 +1,278 @@
+"""The denoising loop that records trajectories, for every model family.
+
+One loop, one SDE step (``genrl.sde.sde_step_with_logprob``) at every timestep: stochastic
+steps (inside the SDE window, noise level > 0, sigma' > 0) draw noise and are recorded for
+training; the others run with noise level 0 (the plain Euler / DDIM step) and are not.
+
+Every random draw of a sample comes from its own generators (``genrl.seeding``), and each
+sample's noise generator advances exactly once per step, so a sample's trajectory is a
+function of (seed, epoch, prompt, index in its group) alone, whatever batch it sits in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Sequence
+
+import torch
+
+from genrl.policies.base import FlowPolicy
+from genrl.sde import SDE_TYPES, SDEStepOutput, sde_step_with_logprob
+from genrl.seeding import latent_generator, noise_generator, window_generator
+
+
+@dataclass
+class SamplingConfig:
+    """How rollouts are sampled.
+
+    noise_level: ``a`` of the SDE (0 = deterministic sampling, nothing recorded).
+    sde_window_size: number of consecutive stochastic steps per sample; 0 = every step
+        (with sigma' > 0) is stochastic.
+    sde_window_range: ``(lo, hi)``; the window start is drawn in ``[lo, hi - window_size]``,
+        shared by a prompt's group. ``hi = None`` (or beyond) means the last step with
+        sigma' > 0, i.e. ``num_inference_steps - 1``.
+    height, width, num_frames: None = the policy's defaults.
+    same_latent: the K samples of a prompt start from the same initial noise.
+    """
+
+    num_inference_steps: int = 16
+    guidance_scale: float = 4.5
+    noise_level: float = 0.7
+    sde_type: str = "flow_sde"
+    sde_window_size: int = 0
+    sde_window_range: tuple[int, int | None] = (0, None)
+    height: int | None = None
+    width: int | None = None
+    num_frames: int | None = None
+    same_latent: bool = True
+    negative_prompt: str = ""
+
+    def __post_init__(self):
+        if self.sde_type not in SDE_TYPES:
+            raise ValueError(f"Unknown sde_type {self.sde_type!r}; expected one of {SDE_TYPES}.")
+        if self.noise_level < 0:
+            raise ValueError(f"noise_level must be >= 0; got {self.noise_level}.")
+        if self.sde_window_size < 0:
+            raise ValueError(f"sde_window_size must be >= 0 (0 = every step); got {self.sde_window_size}.")
+        if self.num_inference_steps < 1:
+            raise ValueError(f"num_inference_steps must be at least 1; got {self.num_inference_steps}.")
+
+
+@dataclass
+class Rollout:
+    """Recorded trajectories of B samples, S stochastic steps each (the same S for all).
+
+    latents, next_latents: ``(B, S, ...)`` float32, the state before / after each recorded step.
+    timesteps, sigmas, sigmas_next, log_probs: ``(B, S)`` float32.
+    step_indices: ``(B, S)`` long, which denoising step each record is.
+    sigma_max: the schedule's second sigma (see ``genrl.sde.flow_sde_std``).
+    embeds: the prompt embeddings, ``(B, ...)`` each.
+    samples: decoded ``(B, C, F, H, W)`` float in [0, 1], on the CPU.
+    """
+
+    prompts: list[str]
+    group_indices: list[int]
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    sigmas_next: torch.Tensor
+    log_probs: torch.Tensor
+    step_indices: torch.Tensor
+    sigma_max: float
+    embeds: dict[str, torch.Tensor] = field(default_factory=dict)
+    samples: torch.Tensor | None = None
+
+    @property
+    def num_steps(self) -> int:
+        """S, the number of recorded steps per sample."""
+        return self.log_probs.shape[1]
+
+
+def sde_window_start(prompt: str, seed: int, epoch: int, num_inference_steps: int, config: SamplingConfig) -> int:
+    """First stochastic step of ``prompt``'s group, uniform in [lo, hi - window_size]."""
+    lo, hi = config.sde_window_range
+    last = num_inference_steps - 1  # the final step goes to sigma' = 0 and is never stochastic
+    hi = last if hi is None else min(hi, last)
+    size = config.sde_window_size
+    if lo < 0 or hi - lo < size:
+        raise ValueError(
+            f"sde_window_range={config.sde_window_range} cannot hold a window of {size} steps among the"
+            f" {last} stochastic-capable steps of {num_inference_steps}; need 0 <= lo and hi - lo >= window size."
+        )
+    generator = window_generator(prompt, seed, epoch)
+    return int(torch.randint(lo, hi - size + 1, (1,), generator=generator))
+
+
+def stochastic_steps(
+    prompts: Sequence[str], sigmas: torch.Tensor, *, seed: int, epoch: int, config: SamplingConfig
+) -> torch.Tensor:
+    """``(B, T)`` bool on the CPU: step i of sample b is stochastic iff noise_level > 0,
+    sigma_{i+1} > 0 and i lies in the sample's SDE window."""
+    num_steps = sigmas.numel() - 1
+    can_move = (sigmas[1:] > 0).cpu() & (config.noise_level > 0)
+    mask = can_move.expand(len(prompts), num_steps).clone()
+    if config.sde_window_size > 0:
+        steps = torch.arange(num_steps)
+        for b, prompt in enumerate(prompts):
+            start = sde_window_start(prompt, seed, epoch, num_steps, config)
+            mask[b] &= (steps >= start) & (steps < start + config.sde_window_size)
+    return mask
+
+
+@torch.no_grad()
+def sample_rollout(
+    policy: FlowPolicy,
+    transformer: torch.nn.Module,
+    prompts: list[str],
+    group_indices: list[int],
+    *,
+    seed: int,
+    epoch: int,
+    config: SamplingConfig,
+    device: torch.device | str,
+) -> Rollout:
+    """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
+    with ``transformer`` and record every stochastic step. Decoded samples land on the CPU."""
+    if len(prompts) != len(group_indices) or not prompts:
+        raise ValueError(f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices.")
+    batch = len(prompts)
+    height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
+    embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
+
+    latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in zip(prompts, group_indices)]
+    noise_generators = [noise_generator(p, seed, epoch, k) for p, k in zip(prompts, group_indices)]
+    latents = policy.prepare_latents(latent_generators, height, width, num_frames, device)
+    timesteps, sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, device)
+    sigma_max = float(sigmas[1])
+    stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config)
+
+    records: list[list[tuple]] = [[] for _ in range(batch)]
+    for i in range(len(timesteps)):
+        velocity = policy.predict_velocity(transformer, latents, timesteps[i].expand(batch), embeds, config.guidance_scale)
+        next_latents = torch.empty_like(latents)
+        for is_stochastic in (False, True):
+            rows = (stochastic[:, i] == is_stochastic).nonzero().flatten().tolist()
+            if not rows:
+                continue
+            out = sde_step_with_logprob(
+                velocity[rows],
+                sigmas[i],
+                sigmas[i + 1],
+                latents[rows],
+                noise_level=config.noise_level if is_stochastic else 0.0,
+                sde_type=config.sde_type,
+                sigma_max=sigma_max,
+                generator=[noise_generators[r] for r in rows],  # one draw per sample per step
+            )
+            next_latents[rows] = out.next_sample
+            if is_stochastic:
+                for j, r in enumerate(rows):
+                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j]))
+        latents = next_latents
+
+    # Decoded one sample at a time (bounded VAE memory, batch-independent), straight to the CPU.
+    samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
+    state_shape = latents.shape[1:]
+    del latents, next_latents, velocity
+    return _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
+
+
+def _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples) -> Rollout:
+    """Per-sample lists of (latents, next_latents, step, log_prob) -> batch-first tensors."""
+    counts = {len(r) for r in records}
+    if len(counts) != 1:
+        raise RuntimeError(f"Samples recorded different numbers of stochastic steps: {sorted(counts)}.")
+    device = timesteps.device
+    steps = torch.tensor([[rec[2] for rec in r] for r in records], dtype=torch.long, device=device)
+    if counts == {0}:  # deterministic sampling: nothing to train on, shapes kept consistent
+        latents = next_latents = torch.empty(len(records), 0, *state_shape, device=device)
+        log_probs = torch.empty(len(records), 0, device=device)
+    else:
+        latents = torch.stack([torch.stack([rec[0] for rec in r]) for r in records])
+        next_latents = torch.stack([torch.stack([rec[1] for rec in r]) for r in records])
+        log_probs = torch.stack([torch.stack([rec[3] for rec in r]) for r in records])
+    return Rollout(
+        prompts=list(prompts),
+        group_indices=list(group_indices),
+        latents=latents,
+        next_latents=next_latents,
+        timesteps=timesteps[steps],
+        sigmas=sigmas[steps],
+        sigmas_next=sigmas[steps + 1],
+        log_probs=log_probs,
+        step_indices=steps.reshape(len(records), -1),
+        sigma_max=sigma_max,
+        embeds=embeds,
+        samples=samples,
+    )
+
+
+def step_log_prob(
+    policy: FlowPolicy,
+    transformer: torch.nn.Module,
+    latents: torch.Tensor,
+    next_latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    sigmas: torch.Tensor,
+    sigmas_next: torch.Tensor,
+    embeds: dict[str, torch.Tensor],
+    *,
+    config: SamplingConfig,
+    sigma_max: float,
+) -> SDEStepOutput:
+    """Log-prob (and mean, std) of recorded transitions ``latents -> next_latents`` under the
+    current weights of ``transformer``, with gradients. Every argument is per sample:
+    latents/next_latents ``(B, ...)``, timesteps/sigmas/sigmas_next ``(B,)``, embeds ``(B, ...)``;
+    samples may sit at different steps. CFG as ``config.guidance_scale`` asks."""
+    velocity = policy.predict_velocity(transformer, latents, timesteps, embeds, config.guidance_scale)
+    return sde_step_with_logprob(
+        velocity,
+        sigmas,
+        sigmas_next,
+        latents,
+        noise_level=config.noise_level,
+        sde_type=config.sde_type,
+        sigma_max=sigma_max,
+        next_sample=next_latents,
+    )
+
+
+def index_rollout(rollout: Rollout, index: Sequence[int] | torch.Tensor) -> Rollout:
+    """The samples ``index`` of ``rollout`` (embeds and samples included), in that order."""
+    index = torch.as_tensor(index, dtype=torch.long).flatten().tolist()
+    picked = {}
+    for f in fields(Rollout):
+        value = getattr(rollout, f.name)
+        if f.name in ("prompts", "group_indices"):
+            picked[f.name] = [value[i] for i in index]
+        elif f.name == "embeds":
+            picked[f.name] = {k: v[index] for k, v in value.items()}
+        elif isinstance(value, torch.Tensor):
+            picked[f.name] = value[index]
+        else:
+            picked[f.name] = value
+    return Rollout(**picked)
+
+
+def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
+    """Rollouts of the same sampling config, joined along the batch."""
+    if not rollouts:
+        raise ValueError("concat_rollouts needs at least one rollout.")
+    sigma_maxes = {r.sigma_max for r in rollouts}
+    if len(sigma_maxes) != 1:
+        raise ValueError(f"Cannot join rollouts of different schedules (sigma_max {sorted(sigma_maxes)}).")
+    joined = {}
+    for f in fields(Rollout):
+        values = [getattr(r, f.name) for r in rollouts]
+        if f.name in ("prompts", "group_indices"):
+            joined[f.name] = [v for value in values for v in value]
+        elif f.name == "embeds":
+            joined[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
+        elif f.name == "samples":
+            joined[f.name] = None if values[0] is None else torch.cat(values)
+        elif isinstance(values[0], torch.Tensor):
+            joined[f.name] = torch.cat(values)
+        else:
+            joined[f.name] = values[0]
+    return Rollout(**joined)

@@ -1,0 +1,297 @@
+"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline.
+
+They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` objects with
+the same components as the published models, shrunk to a few hundred thousand parameters,
+so that tests and the trainer's no-argument default run exercise the exact code paths of
+the full-size models on a CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
+split on whitespace and punctuation; other words map to ``<unk>``), built in memory.
+
+``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
+which ``genrl.policies.load_policy`` reads, so a loaded tiny pipeline samples at its own
+small resolution instead of the full-size pipeline's default.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    AutoencoderKLWan,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+    SD3Transformer2DModel,
+    StableDiffusion3Pipeline,
+    WanPipeline,
+    WanTransformer3DModel,
+)
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    PreTrainedTokenizerFast,
+    T5Config,
+    T5EncoderModel,
+    UMT5Config,
+    UMT5EncoderModel,
+)
+
+from genrl.policies import SAMPLING_DEFAULTS_FILE
+
+FAMILIES = ("wan", "sd3", "flux")
+
+# Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames.
+TINY_SAMPLING_DEFAULTS = {
+    "wan": {"height": 32, "width": 32, "num_frames": 5},
+    "sd3": {"height": 32, "width": 32, "num_frames": 1},
+    "flux": {"height": 32, "width": 32, "num_frames": 1},
+}
+
+# Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
+# pools at the eos token (CLIP treats eos_token_id == 2 as a legacy special case).
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<bos>")
+TINY_VOCAB = SPECIAL_TOKENS + tuple(
+    """
+    a an the of in on at with and or under over near by from to for its their
+    , . ! ? - '
+    one two three four many some small big large tiny huge tall short long round square
+    red orange yellow green blue purple pink brown black white gray grey golden silver
+    dark bright light colorful
+    cat dog bird fish horse cow sheep rabbit fox bear lion tiger elephant monkey owl
+    person man woman child people robot car bus bike boat train plane ship
+    apple banana orange cake cup bowl bottle chair table bed book lamp clock vase
+    flower tree forest mountain river lake sea ocean beach sky cloud clouds sun moon star
+    stars snow rain city street house building bridge road field garden desert
+    circle triangle square cube sphere ball box
+    photo picture painting drawing video scene view portrait landscape close-up
+    sitting standing running walking flying swimming jumping playing dancing
+    morning evening night sunset sunrise day
+    is are
+    """.split()
+)
+
+TINY_MAX_LENGTH = 16  # tokens per prompt, including bos/eos
+
+
+def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``TINY_VOCAB`` that pads/truncates to ``max_length``.
+
+    ``add_bos``: CLIP-style ``<bos> words <eos>``; otherwise T5-style ``words <eos>``.
+    """
+    vocab = {token: i for i, token in enumerate(dict.fromkeys(TINY_VOCAB))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.normalizer = normalizers.Lowercase()
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = [("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])]
+    template = "<bos> $A <eos>" if add_bos else "$A <eos>"
+    backend.post_processor = processors.TemplateProcessing(single=template, special_tokens=special)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        bos_token="<bos>",
+        model_max_length=max_length,
+        padding_side="right",
+    )
+
+
+def _vocab_size() -> int:
+    return len(dict.fromkeys(TINY_VOCAB))
+
+
+def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
+    return CLIPTextConfig(
+        vocab_size=_vocab_size(),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        projection_dim=projection_dim,
+        num_hidden_layers=2,  # SD3 reads hidden_states[-2]: the output of the first layer
+        num_attention_heads=2,
+        max_position_embeddings=TINY_MAX_LENGTH,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=3,
+    )
+
+
+def _t5_encoder() -> T5EncoderModel:
+    """T5 v1.1-style encoder (gated-gelu), d_model 32: SD3's third and FLUX's second text encoder."""
+    config = T5Config(
+        vocab_size=_vocab_size(),
+        d_model=32,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        feed_forward_proj="gated-gelu",
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    return T5EncoderModel(config)
+
+
+def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
+    """SD3/FLUX-style KL autoencoder with 4x spatial compression (3 blocks)."""
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(8, 8, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=32,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        mid_block_add_attention=False,
+    )
+
+
+def _build_wan() -> WanPipeline:
+    z_dim = 4
+    vae = AutoencoderKLWan(
+        base_dim=8,
+        z_dim=z_dim,
+        dim_mult=[1, 1, 1, 1],  # 8x spatial, 4x temporal compression, like the full model
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        # Non-trivial statistics so that decoding must undo them the way WanPipeline does.
+        latents_mean=[-0.75, -0.7, -0.9, 0.1],
+        latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+    text_config = UMT5Config(
+        vocab_size=_vocab_size(),
+        d_model=32,
+        d_kv=8,
+        d_ff=32,
+        num_layers=1,
+        num_heads=2,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        dropout_rate=0.0,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=z_dim,
+        out_channels=z_dim,
+        text_dim=32,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    return WanPipeline(
+        tokenizer=tiny_tokenizer(add_bos=False),
+        text_encoder=UMT5EncoderModel(text_config),
+        vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        transformer=transformer,
+    )
+
+
+def _build_sd3() -> StableDiffusion3Pipeline:
+    latent_channels = 4
+    transformer = SD3Transformer2DModel(
+        sample_size=8,  # 32 px / 4x VAE compression: sets the default resolution
+        patch_size=2,
+        in_channels=latent_channels,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # T5 d_model, = the two CLIP hidden sizes concatenated (16 + 16)
+        caption_projection_dim=16,  # = heads * head_dim
+        pooled_projection_dim=32,  # the two CLIP projections concatenated (16 + 16)
+        out_channels=latent_channels,
+        pos_embed_max_size=16,
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_image_vae(latent_channels, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_clip_text_config(16, 16)),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=CLIPTextModelWithProjection(_clip_text_config(16, 16)),
+        tokenizer_2=tiny_tokenizer(),
+        # A (tiny) T5 as in SD3-medium: with text_encoder_3=None the pipeline could not be
+        # reloaded by a plain DiffusionPipeline.from_pretrained.
+        text_encoder_3=_t5_encoder(),
+        tokenizer_3=tiny_tokenizer(add_bos=False),
+    )
+
+
+def _build_flux() -> FluxPipeline:
+    latent_channels = 4
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # latents are packed in 2x2 patches
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # T5 d_model
+        pooled_projection_dim=16,  # CLIP hidden size (FLUX uses the pooled CLIP output)
+        guidance_embeds=True,  # like FLUX.1-dev: guidance is an input, not true CFG
+        axes_dims_rope=(4, 4, 8),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=_image_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=CLIPTextModel(_clip_text_config(16, 16)),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=_t5_encoder(),
+        tokenizer_2=tiny_tokenizer(add_bos=False),
+        transformer=transformer,
+    )
+
+
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux}
+
+
+def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
+    """A tiny random-init pipeline of ``family`` ("wan", "sd3" or "flux"), float32 on CPU.
+
+    The same seed gives the same weights; the global torch RNG is left untouched.
+    """
+    if family not in _BUILDERS:
+        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}.")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipeline = _BUILDERS[family]()
+    pipeline.set_progress_bar_config(disable=True)
+    return pipeline
+
+
+def save_tiny_pipeline(family: str, path: str | os.PathLike, seed: int = 0) -> str:
+    """Build the tiny ``family`` pipeline, save it in diffusers format under ``path`` with its
+    ``sampling_defaults.json``, and return ``path`` as a string."""
+    path = os.fspath(path)
+    build_tiny_pipeline(family, seed=seed).save_pretrained(path)
+    with open(os.path.join(path, SAMPLING_DEFAULTS_FILE), "w") as f:
+        json.dump(TINY_SAMPLING_DEFAULTS[family], f, indent=2)
+    return path
