@@ -18,6 +18,11 @@ def _local_path(path: str | os.PathLike) -> str:
     return path[len("file://") :] if path.startswith("file://") else path
 
 
+def fps_or_default(fps: float | None) -> float:
+    """The container's frame rate, or 30 when it reports none (None, 0, negative, NaN)."""
+    return float(fps) if fps is not None and math.isfinite(fps) and fps > 0 else DEFAULT_FPS
+
+
 def read_video(
     path: str | os.PathLike, start_time: float | None = None, end_time: float | None = None
 ) -> tuple[np.ndarray, float]:
@@ -34,9 +39,7 @@ def read_video(
         raise FileNotFoundError(f"Video file {local} does not exist.")
     capture = cv2.VideoCapture(local)
     try:
-        fps = capture.get(cv2.CAP_PROP_FPS) if capture.isOpened() else 0.0
-        if not (math.isfinite(fps) and fps > 0):
-            fps = DEFAULT_FPS
+        fps = fps_or_default(capture.get(cv2.CAP_PROP_FPS) if capture.isOpened() else None)
         frames = []
         index = 0
         while capture.isOpened():
