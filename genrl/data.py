@@ -1,0 +1,66 @@
+"""Prompt sets through `datasets`: text files, JSON lines, CSV, saved datasets, Hub datasets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import datasets
+
+
+@dataclass
+class PromptSet:
+    """Prompts and, per prompt, the other fields of its record (handed to rewards)."""
+
+    prompts: list[str]
+    metadata: list[dict] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+
+_FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+
+
+def _load_split(source: str, split: str) -> datasets.Dataset:
+    ext = os.path.splitext(source)[1].lower()
+    if os.path.isfile(source):
+        if ext not in _FILE_BUILDERS:
+            raise ValueError(f"Prompt file {source!r} has extension {ext!r}; expected one of {sorted(_FILE_BUILDERS)}.")
+        return datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split="train")
+    if os.path.isdir(source):
+        if os.path.exists(os.path.join(source, "dataset_dict.json")):
+            return datasets.load_from_disk(source)[split]
+        if os.path.exists(os.path.join(source, "dataset_info.json")):
+            return datasets.load_from_disk(source)
+        return datasets.load_dataset(source, split=split)
+    if ext in _FILE_BUILDERS:
+        raise FileNotFoundError(f"Prompt file {source!r} does not exist.")
+    return datasets.load_dataset(source, split=split)  # a Hub dataset id
+
+
+def load_prompts(source: str, *, split: str = "train", prompt_column: str = "prompt") -> PromptSet:
+    """Load a prompt set.
+
+    ``source`` is a ``.txt`` file (one prompt per line, blank lines skipped), a ``.jsonl`` /
+    ``.json`` / ``.csv`` / ``.parquet`` file with a ``prompt_column`` field (the other fields
+    become the prompt's metadata), a folder written by ``Dataset.save_to_disk``, or a Hub
+    dataset id (``split`` selects the split).
+    """
+    ds = _load_split(source, split)
+    column = "text" if "text" in ds.column_names and prompt_column not in ds.column_names else prompt_column
+    if column not in ds.column_names:
+        raise ValueError(
+            f"Prompt dataset {source!r} has no column {prompt_column!r}; its columns are {ds.column_names} "
+            f"(choose one with --prompt_column)."
+        )
+    prompts, metadata = [], []
+    for record in ds:
+        prompt = record[column]
+        if prompt is None or not str(prompt).strip():
+            continue
+        prompts.append(str(prompt).strip())
+        metadata.append({k: v for k, v in record.items() if k != column})
+    if not prompts:
+        raise ValueError(f"The prompt set {source!r} (split {split!r}) is empty.")
+    return PromptSet(prompts, metadata)

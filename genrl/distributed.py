@@ -1,0 +1,76 @@
+"""Accelerate / DeepSpeed set-up shared by the scripts.
+
+The same ``accelerate_configs/*.yaml`` serve GPUs (NCCL) and CPU-only machines (gloo):
+DeepSpeed runs on CPU through gloo when CUDA is absent. There is no dataloader for
+Accelerate to read DeepSpeed's micro batch from, so the scripts set it from their arguments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+
+
+def build_accelerator(
+    *,
+    output_dir: str,
+    logging_dir: str = "logs",
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int = 1,
+    log_with: str | list[str] | None = None,
+) -> Accelerator:
+    """An Accelerator that uses gloo when there is no CUDA (DeepSpeed included)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    # A single plain process has no process group: a backend there would make Accelerate ask for one.
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    return Accelerator(
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        mixed_precision=mixed_precision,
+        log_with=None if log_with in (None, "none", ["none"]) else log_with,
+        project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=f"{output_dir}/{logging_dir}"),
+        kwargs_handlers=kwargs_handlers,
+    )
+
+
+def configure_deepspeed(accelerator: Accelerator, *, micro_batch_size: int, max_grad_norm: float) -> None:
+    """Fill DeepSpeed's batch sizes and clipping from the script's arguments (no-op without
+    DeepSpeed). train_batch_size = micro batch * accumulation steps * processes."""
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin is None:
+        return
+    config = plugin.deepspeed_config
+    config["train_micro_batch_size_per_gpu"] = micro_batch_size
+    config["gradient_accumulation_steps"] = accelerator.gradient_accumulation_steps
+    config["train_batch_size"] = micro_batch_size * accelerator.gradient_accumulation_steps * accelerator.num_processes
+    config["gradient_clipping"] = max_grad_norm
+
+
+def zero_stage(accelerator: Accelerator) -> int:
+    """DeepSpeed ZeRO stage (0 without DeepSpeed)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return int(plugin.zero_stage) if plugin is not None else 0
+
+
+@contextlib.contextmanager
+def zero_init_disabled() -> Iterator[None]:
+    """Build frozen models (text encoders, VAE, reward models) outside ZeRO-3's ``zero.Init``:
+    with a ZeRO-3 config active, ``from_pretrained`` would otherwise partition them across
+    ranks, and a frozen model that is sharded is slow or hangs when ranks call it unevenly."""
+    plugin = AcceleratorState().deepspeed_plugin if AcceleratorState._shared_state else None
+    with plugin.zero3_init_context_manager(enable=False) if plugin is not None else contextlib.nullcontext():
+        yield
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory of this process: CUDA max allocated on GPU, max RSS on CPU (GiB)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux

@@ -1,0 +1,119 @@
+"""Exponential moving average of the trainable parameters, updated on an interval.
+
+The shadow is float32 whatever the training dtype. Under DeepSpeed ZeRO-3 each rank keeps
+the shadow of its own partition (``param.ds_tensor``): no full gather per update, and
+swapping in the EMA weights writes each rank's partition back in place.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+
+
+def ema_decay(decay: float, num_updates: int, warmup: bool) -> float:
+    """Decay used for update number ``num_updates`` (0-based).
+
+    Without warm-up: ``decay``. With warm-up: min(decay, (1 + n) / (10 + n)), so early
+    updates follow the weights closely instead of averaging in the initial model.
+    """
+    if not warmup:
+        return decay
+    return min(decay, (1 + num_updates) / (10 + num_updates))
+
+
+def _local_tensor(param: torch.nn.Parameter) -> torch.Tensor:
+    """The tensor this rank owns: the ZeRO-3 partition if the parameter is partitioned."""
+    return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+
+
+class EMA:
+    """fp32 shadow of ``parameters``: ``shadow = d * shadow + (1 - d) * theta`` every
+    ``update_interval`` optimizer steps.
+
+    Args:
+        parameters: the trainable parameters (frozen ones are skipped).
+        decay: the EMA decay ``d``.
+        update_interval: update on optimizer steps that are multiples of this.
+        warmup: use the warm-up decay of :func:`ema_decay`.
+        device: where the shadow lives (``"cpu"`` saves accelerator memory).
+    """
+
+    def __init__(
+        self,
+        parameters: Iterable[torch.nn.Parameter],
+        decay: float = 0.9,
+        update_interval: int = 1,
+        warmup: bool = False,
+        device: torch.device | str | None = None,
+    ):
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"EMA decay must be in [0, 1), got {decay}.")
+        if update_interval < 1:
+            raise ValueError(f"EMA update interval must be >= 1 optimizer step, got {update_interval}.")
+        self.params = [p for p in parameters if p.requires_grad]
+        self.decay = decay
+        self.update_interval = update_interval
+        self.warmup = warmup
+        self.num_updates = 0
+        self.shadow = [
+            _local_tensor(p).detach().to(device=device or _local_tensor(p).device, dtype=torch.float32, copy=True)
+            for p in self.params
+        ]
+
+    def step(self, optimizer_step: int) -> bool:
+        """Call after every optimizer step with the global step count (1-based).
+        Updates only when ``optimizer_step % update_interval == 0``; returns whether it did."""
+        if optimizer_step % self.update_interval != 0:
+            return False
+        self.update()
+        return True
+
+    @torch.no_grad()
+    def update(self) -> None:
+        """One EMA update: shadow = d * shadow + (1 - d) * theta."""
+        d = ema_decay(self.decay, self.num_updates, self.warmup)
+        for s, p in zip(self.shadow, self.params):
+            s.mul_(d).add_(_local_tensor(p).to(device=s.device, dtype=torch.float32), alpha=1 - d)
+        self.num_updates += 1
+
+    @torch.no_grad()
+    def copy_to(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
+        """Write the shadow into the parameters (their local partitions under ZeRO-3)."""
+        for s, p in zip(self.shadow, parameters if parameters is not None else self.params):
+            local = _local_tensor(p)
+            local.copy_(s.to(device=local.device, dtype=local.dtype))
+
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """Run the block with the EMA weights in the model, then restore the trained ones."""
+        backup = [_local_tensor(p).detach().clone() for p in self.params]
+        self.copy_to()
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for b, p in zip(backup, self.params):
+                    _local_tensor(p).copy_(b)
+
+    def state_dict(self) -> dict:
+        return {
+            "shadow": [s.cpu() for s in self.shadow],
+            "num_updates": self.num_updates,
+            "decay": self.decay,
+            "update_interval": self.update_interval,
+            "warmup": self.warmup,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["shadow"]) != len(self.shadow):
+            raise ValueError(
+                f"EMA state has {len(state['shadow'])} tensors but the model has {len(self.shadow)} trainable ones."
+            )
+        for s, saved in zip(self.shadow, state["shadow"]):
+            if s.shape != saved.shape:
+                raise ValueError(f"EMA tensor of shape {tuple(saved.shape)} does not fit parameter {tuple(s.shape)}.")
+            s.copy_(saved)
+        self.num_updates = state["num_updates"]

@@ -1,0 +1,593 @@
+#!/usr/bin/env python
+"""GRPO fine-tuning (Flow-GRPO / DanceGRPO family) of flow-matching generators with Accelerate.
+
+    accelerate launch train_genrl.py                                      # the embedded default
+    accelerate launch --config_file accelerate_configs/zero2.yaml train_genrl.py \
+        --pretrained_model_name_or_path Wan-AI/Wan2.1-T2V-1.3B-Diffusers \
+        --reward_fn "hpsv3:1.0,videoalign_mq:0.5" --prompt_dataset prompts.txt --use_lora
+
+One epoch: sample groups of K images/videos per prompt with an SDE sampler that records
+log-probs, score them, turn scores into group-normalised advantages, then take clipped
+policy-gradient steps on the recorded transitions (see genrl/ and DESIGN notes in README).
+"""
+
+import argparse
+import json
+import logging
+import math
+import os
+import shlex
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+from accelerate.logging import get_logger
+from tqdm.auto import tqdm
+
+GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
+DEFAULT_TRAIN_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_train.txt")
+DEFAULT_EVAL_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_test.txt")
+DEFAULT_REWARD = "toy_geneval"
+
+logger = get_logger(__name__)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description="GRPO fine-tuning of flow-matching image and video generators.")
+    # Model
+    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                        help="Diffusers pipeline folder or Hub id (Wan, SD3, FLUX). Default: the shipped toy model.")
+    parser.add_argument("--revision", type=str, default=None)
+    parser.add_argument("--variant", type=str, default=None)
+    parser.add_argument("--output_dir", type=str, default="genrl-output")
+    parser.add_argument("--logging_dir", type=str, default="logs")
+    parser.add_argument("--seed", type=int, default=42, help="Run seed: with the epoch and prompt it fixes every sample.")
+    # Data
+    parser.add_argument("--prompt_dataset", type=str, default=None,
+                        help="Training prompts: .txt (one per line), .jsonl/.csv with --prompt_column, a saved dataset or a Hub dataset.")
+    parser.add_argument("--eval_prompt_dataset", type=str, default=None,
+                        help="Held-out prompts for evaluation (default: the --eval_split of --prompt_dataset if it has one).")
+    parser.add_argument("--prompt_column", type=str, default="prompt")
+    parser.add_argument("--train_split", type=str, default="train")
+    parser.add_argument("--eval_split", type=str, default="test")
+    # Rewards
+    parser.add_argument("--reward_fn", type=str, default=None,
+                        help='Rewards and weights, "name:weight,name:weight" (registered names or package.module:function).')
+    parser.add_argument("--reward_options", type=str, default=None,
+                        help='JSON (or a .json file) of per-reward options, e.g. {"hpsv3": {"checkpoint": "...", "base_model": "..."}}.')
+    parser.add_argument("--reward_mode", choices=["async", "sync"], default="async",
+                        help="async: score batch i in a thread while batch i+1 denoises (reward models on --reward_device). "
+                             "sync: reward models on the training device, scored after all rollouts of the epoch.")
+    parser.add_argument("--reward_device", type=str, default="cpu", help="Device of reward models in async mode.")
+    parser.add_argument("--reward_workers", type=int, default=1)
+    parser.add_argument("--reward_clear_before_train", action="store_true",
+                        help="Free reward models before the policy update and rebuild them next epoch (tight memory).")
+    parser.add_argument("--reward_combine", choices=["sum", "normalize_each"], default="sum",
+                        help="sum: normalise the weighted sum of rewards; normalize_each: normalise each reward, then sum with weights.")
+    # Sampling
+    parser.add_argument("--resolution", type=int, default=None, help="Square size; or set --height/--width.")
+    parser.add_argument("--height", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--num_frames", type=int, default=None, help="Video frames (video models).")
+    parser.add_argument("--num_inference_steps", type=int, default=10)
+    parser.add_argument("--guidance_scale", type=float, default=4.5)
+    parser.add_argument("--negative_prompt", type=str, default="")
+    parser.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
+    parser.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde")
+    parser.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
+    parser.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                        help="Window start is drawn per prompt in [LO, HI - size].")
+    parser.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
+                        help="All K samples of a prompt start from the same noise.")
+    # GRPO
+    parser.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
+    parser.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
+    parser.add_argument("--rollout_batches_per_epoch", type=int, default=2, help="Rollout batches per process per epoch.")
+    parser.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                        help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
+    parser.add_argument("--num_inner_epochs", type=int, default=1, help="Passes over an epoch's samples.")
+    parser.add_argument("--timestep_fraction", type=float, default=1.0, help="Fraction of the stochastic steps trained on.")
+    parser.add_argument("--no_timestep_shuffle", action="store_true", help="Train on the first steps, in order.")
+    parser.add_argument("--clip_range", type=float, default=1e-3)
+    parser.add_argument("--adv_clip_max", type=float, default=5.0)
+    parser.add_argument("--std_mode", choices=["group", "global", "max_group"], default="group")
+    parser.add_argument("--beta", type=float, default=0.0, help="KL weight against the reference policy.")
+    parser.add_argument("--filter_zero_advantage", action="store_true",
+                        help="Drop zero-advantage samples (every rank keeps the same count).")
+    # Optimisation
+    parser.add_argument("--learning_rate", type=float, default=1e-4)
+    parser.add_argument("--adam_beta1", type=float, default=0.9)
+    parser.add_argument("--adam_beta2", type=float, default=0.999)
+    parser.add_argument("--adam_weight_decay", type=float, default=1e-4)
+    parser.add_argument("--adam_epsilon", type=float, default=1e-8)
+    parser.add_argument("--max_grad_norm", type=float, default=1.0)
+    parser.add_argument("--lr_scheduler", type=str, default="constant")
+    parser.add_argument("--lr_warmup_steps", type=int, default=0)
+    parser.add_argument("--num_epochs", type=int, default=100)
+    parser.add_argument("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
+    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None)
+    parser.add_argument("--allow_tf32", action="store_true")
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    # LoRA
+    parser.add_argument("--use_lora", action="store_true")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--lora_alpha", type=int, default=64)
+    parser.add_argument("--lora_target_modules", type=str, default="to_q,to_k,to_v,to_out.0",
+                        help="Comma-separated module names (suffixes) to adapt.")
+    # EMA
+    parser.add_argument("--use_ema", action="store_true")
+    parser.add_argument("--ema_decay", type=float, default=0.9)
+    parser.add_argument("--ema_update_interval", type=int, default=8,
+                        help="Update the EMA every N optimizer steps (the global step count, not micro batches).")
+    parser.add_argument("--ema_warmup", action="store_true")
+    parser.add_argument("--ema_device", type=str, default=None, help="Where the fp32 shadow lives (default: with the weights).")
+    # Checkpoints, evaluation, logging
+    parser.add_argument("--checkpointing_steps", type=int, default=None,
+                        help="Checkpoint at the end of each epoch in which the optimizer step count passed a multiple of this.")
+    parser.add_argument("--checkpoints_total_limit", type=int, default=None)
+    parser.add_argument("--resume_from_checkpoint", type=str, default=None, help='"latest" or a checkpoint folder.')
+    parser.add_argument("--eval_steps", type=int, default=None,
+                        help="Evaluate before training, then at the end of each epoch that passed a multiple of this many steps.")
+    parser.add_argument("--eval_max_batches", type=int, default=4)
+    parser.add_argument("--eval_batch_size", type=int, default=8)
+    parser.add_argument("--eval_num_inference_steps", type=int, default=None)
+    parser.add_argument("--eval_guidance_scale", type=float, default=None)
+    parser.add_argument("--eval_seed", type=int, default=0)
+    parser.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
+    parser.add_argument("--tracker_project_name", type=str, default="genrl")
+    # Hub
+    parser.add_argument("--push_to_hub", action="store_true")
+    parser.add_argument("--hub_model_id", type=str, default=None)
+    parser.add_argument("--hub_token", type=str, default=None)
+    parser.add_argument("--hub_private", action="store_true")
+    parser.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
+
+    args = parser.parse_args(argv)
+    try:
+        validate_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))
+    return args
+
+
+def validate_args(args) -> None:
+    """Every check that needs no model, so bad input fails in a second with one sentence."""
+    from genrl.rewards import parse_reward_spec
+    from genrl.sampler import check_batch_sizes
+
+    if args.pretrained_model_name_or_path is None:
+        if not os.path.isdir(DEFAULT_MODEL):
+            raise FileNotFoundError(f"The embedded default model is missing at {DEFAULT_MODEL}; pass --pretrained_model_name_or_path.")
+        args.pretrained_model_name_or_path = DEFAULT_MODEL
+        args.prompt_dataset = args.prompt_dataset or DEFAULT_TRAIN_PROMPTS
+        args.eval_prompt_dataset = args.eval_prompt_dataset or DEFAULT_EVAL_PROMPTS
+        args.reward_fn = args.reward_fn or DEFAULT_REWARD
+        args.eval_steps = args.eval_steps if args.eval_steps is not None else 10
+    model = args.pretrained_model_name_or_path
+    looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model) or model.count("/") > 1
+    if looks_local and not os.path.isdir(model):
+        raise FileNotFoundError(f"--pretrained_model_name_or_path {model!r} is not a folder (nor a Hub id like 'org/name').")
+    if args.prompt_dataset is None:
+        raise ValueError("--prompt_dataset is required with your own model (a .txt file with one prompt per line works).")
+    if args.reward_fn is None:
+        raise ValueError('--reward_fn is required with your own model, e.g. --reward_fn "hpsv3:1.0".')
+    parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
+    if args.reward_options and not args.reward_options.lstrip().startswith("{") and not os.path.isfile(args.reward_options):
+        raise FileNotFoundError(f"--reward_options {args.reward_options!r} is neither JSON nor a file.")
+    if args.resolution is not None:
+        args.height = args.height or args.resolution
+        args.width = args.width or args.resolution
+    num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    check_batch_sizes(
+        group_size=args.group_size,
+        train_batch_size=args.rollout_batch_size,
+        num_processes=num_processes,
+        batches_per_epoch=args.rollout_batches_per_epoch,
+        train_micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+    )
+    if not 0 < args.timestep_fraction <= 1:
+        raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")
+    if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
+        raise ValueError(
+            f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
+            f"({args.num_inference_steps - 1}): the last step is always deterministic."
+        )
+    if args.push_to_hub and not args.hub_model_id:
+        args.hub_model_id = os.path.basename(os.path.abspath(args.output_dir))
+
+
+def load_reward_options(value: str | None) -> dict:
+    if not value:
+        return {}
+    if os.path.isfile(value):
+        with open(value) as f:
+            return json.load(f)
+    return json.loads(value)
+
+
+def num_stochastic_steps(args) -> int:
+    """Recorded steps per trajectory: the window, or every step but the last (sigma' = 0)."""
+    return args.sde_window_size or (args.num_inference_steps - 1)
+
+
+def main(args):
+    from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
+    from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
+    from genrl.data import load_prompts
+    from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled, zero_stage
+    from genrl.ema import EMA
+    from genrl.grpo import grpo_loss, select_train_timesteps
+    from genrl.policies import load_policy
+    from genrl.rewards import RewardScorer, build_reward_fn, cached_reward_models, clear_reward_models, on_device
+    from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout, step_log_prob
+    from genrl.sampler import PromptGroupSampler
+    from genrl.sde import kl_between_means
+    from genrl.seeding import mix_seeds
+
+    # ---- Accelerator -------------------------------------------------------------------
+    n_train_steps = max(1, int(num_stochastic_steps(args) * args.timestep_fraction + 1e-6))
+    accelerator = build_accelerator(
+        output_dir=args.output_dir,
+        logging_dir=args.logging_dir,
+        mixed_precision=args.mixed_precision,
+        # Every trained timestep of every micro batch is one backward pass of the accumulation.
+        gradient_accumulation_steps=args.gradient_accumulation_steps * n_train_steps,
+        log_with=args.report_to,
+    )
+    configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    logger.info(accelerator.state, main_process_only=False)
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
+    if args.allow_tf32 and torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+    device = accelerator.device
+    if args.beta > 0 and not args.use_lora and zero_stage(accelerator) == 3:
+        raise ValueError(
+            "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
+            "use --use_lora (the reference is the adapter switched off) or --beta 0."
+        )
+
+    # ---- Data ----------------------------------------------------------------------------
+    train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
+    eval_set = None
+    if args.eval_prompt_dataset:
+        eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
+    sampler = PromptGroupSampler(
+        num_prompts=len(train_set),
+        group_size=args.group_size,
+        batch_size=args.rollout_batch_size,
+        batches_per_epoch=args.rollout_batches_per_epoch,
+        num_processes=accelerator.num_processes,
+        rank=accelerator.process_index,
+        seed=args.seed,
+    )
+
+    # ---- Models --------------------------------------------------------------------------
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    with zero_init_disabled():  # frozen parts and reward models are never sharded
+        policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+        policy.to(device, weight_dtype)
+        reward_device = device if args.reward_mode == "sync" else torch.device(args.reward_device)
+        reward_options = load_reward_options(args.reward_options)
+        # In sync mode reward models wait on the CPU and visit the training device to score.
+        build_rewards = lambda: build_reward_fn(  # noqa: E731
+            args.reward_fn, device="cpu" if args.reward_mode == "sync" else reward_device, options=reward_options
+        )
+        reward_fn = build_rewards()
+    reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
+    transformer = policy.transformer
+    transformer.requires_grad_(not args.use_lora)
+    if args.use_lora:
+        from peft import LoraConfig
+
+        transformer.add_adapter(
+            LoraConfig(
+                r=args.rank,
+                lora_alpha=args.lora_alpha,
+                init_lora_weights="gaussian",
+                target_modules=[m.strip() for m in args.lora_target_modules.split(",") if m.strip()],
+            )
+        )
+    ref_transformer = None
+    if args.beta > 0 and not args.use_lora:
+        ref_transformer = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant).transformer
+        ref_transformer.to(device, weight_dtype).requires_grad_(False).eval()
+    if args.gradient_checkpointing:
+        transformer.enable_gradient_checkpointing()
+    trainable = [p for p in transformer.parameters() if p.requires_grad]
+    if args.use_lora or accelerator.mixed_precision == "fp16":
+        for p in trainable:  # trainable weights stay fp32 under autocast
+            p.data = p.data.float()
+
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        weight_decay=args.adam_weight_decay,
+        eps=args.adam_epsilon,
+    )
+    from diffusers.optimization import get_scheduler
+
+    lr_scheduler = get_scheduler(
+        args.lr_scheduler,
+        optimizer=optimizer,
+        num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
+        num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes,
+    )
+    model, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
+    trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
+    ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
+
+    sampling = SamplingConfig(
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        noise_level=args.noise_level,
+        sde_type=args.sde_type,
+        sde_window_size=args.sde_window_size,
+        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        same_latent=args.same_latent,
+        negative_prompt=args.negative_prompt,
+    )
+    eval_sampling = SamplingConfig(
+        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
+        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
+        noise_level=0.0,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        negative_prompt=args.negative_prompt,
+    )
+    run_config = {
+        "base_model": os.path.abspath(args.pretrained_model_name_or_path)
+        if os.path.isdir(args.pretrained_model_name_or_path)
+        else args.pretrained_model_name_or_path,
+        "family": policy.family,
+        "reward_fn": args.reward_fn,
+        "launch_command": "accelerate launch " + " ".join(shlex.quote(a) for a in sys.argv),
+        "args": {k: v for k, v in vars(args).items() if k != "hub_token"},
+    }
+
+    # ---- Resume ---------------------------------------------------------------------------
+    global_step, first_epoch = 0, 0
+    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+    if resume_path is not None:
+        accelerator.print(f"Resuming from {resume_path}")
+        global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema)
+        first_epoch = last_epoch + 1
+    elif args.resume_from_checkpoint:
+        accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
+
+    if accelerator.is_main_process:
+        tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
+        tracker_config.pop("hub_token", None)
+        accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
+    metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
+
+    def log(values: dict, step: int, epoch: int) -> None:
+        accelerator.log(values, step=step)
+        if accelerator.is_main_process:
+            os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps({"step": step, "epoch": epoch, **values}) + "\n")
+
+    def run_eval(epoch: int) -> dict:
+        if eval_set is None:
+            return {}
+        from genrl.evaluation import evaluate
+
+        model.eval()
+        with ema.swapped_in() if ema is not None else nullcontext():
+            result = evaluate(
+                policy, model, eval_set.prompts, reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
+                max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
+                metadata=eval_set.metadata,
+            )
+        values = {f"eval/{name}_mean": stats["mean"] for name, stats in result.rewards.items()}
+        values.update({f"eval/{name}_std": stats["std"] for name, stats in result.rewards.items()})
+        log(values, global_step, epoch)
+        accelerator.print(f"eval at step {global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in values.items() if k.endswith("_mean")))
+        return values
+
+    def crossed(every: int | None, before: int, after: int) -> bool:
+        return bool(every) and after // every > before // every
+
+    logger.info(
+        f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
+        f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
+        f"{n_train_steps} trained timesteps per sample"
+    )
+    last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
+
+    # ---- Training ----------------------------------------------------------------------------
+    for epoch in range(first_epoch, args.num_epochs):
+        if args.max_train_steps is not None and global_step >= args.max_train_steps:
+            break
+        step_at_epoch_start = global_step
+        timings = {}
+
+        # 1. Rollouts, scored as they come (async) or all at the end (sync).
+        model.eval()
+        t0 = time.perf_counter()
+        if reward_fn is None:
+            with zero_init_disabled():
+                reward_fn = build_rewards()
+        scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
+        rollouts, batch_meta = [], []
+        for batch in tqdm(sampler.batches(epoch), desc=f"epoch {epoch} rollout", disable=not accelerator.is_local_main_process):
+            prompts = [train_set.prompts[i] for i, _ in batch]
+            metadata = [train_set.metadata[i] for i, _ in batch]
+            rollout = sample_rollout(
+                policy, model, prompts, [k for _, k in batch], seed=args.seed, epoch=epoch, config=sampling, device=device
+            )
+            scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
+            rollouts.append(rollout)
+        timings["time/rollout_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        if args.reward_mode == "sync":
+            with on_device(cached_reward_models(), device):
+                scores = scorer.collect()
+        else:
+            scores = scorer.collect()
+        scorer.close()
+        timings["time/reward_s"] = time.perf_counter() - t0
+        if args.reward_clear_before_train:
+            reward_fn = None
+            clear_reward_models()
+        rollout = concat_rollouts(rollouts)
+        del rollouts
+
+        # 2. Advantages over the whole epoch, all ranks.
+        names = list(reward_weights)
+        local = {name: torch.cat([s[name] for s in scores]) for name in names}
+        n_local = len(rollout.prompts)
+        local_groups = torch.arange(n_local) // args.group_size + accelerator.process_index * sampler.groups_per_rank
+        gathered = {name: accelerator.gather(v.to(device)).cpu() for name, v in local.items()}
+        group_ids = accelerator.gather(local_groups.to(device)).cpu()
+        advantages = clip_advantages(
+            combine_rewards(gathered, reward_weights, group_ids, mode=args.reward_combine, std_mode=args.std_mode), args.adv_clip_max
+        )
+        per_rank = advantages.view(accelerator.num_processes, n_local)
+        if args.filter_zero_advantage:
+            keep = balanced_keep_mask(per_rank, args.train_batch_size * args.gradient_accumulation_steps)
+        else:
+            keep = torch.ones_like(per_rank, dtype=torch.bool)
+        kept = keep[accelerator.process_index].nonzero().squeeze(1)
+        local_adv = per_rank[accelerator.process_index]
+        epoch_logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
+        epoch_logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
+        epoch_logs["reward/zero_std_ratio"] = zero_std_ratio(sum(reward_weights[n] * gathered[n] for n in names), group_ids)
+        epoch_logs["train/advantage_abs_mean"] = advantages.abs().mean().item()
+        epoch_logs["train/kept_fraction"] = keep.float().mean().item()
+
+        # 3. Policy update on the recorded transitions.
+        model.train()
+        t0 = time.perf_counter()
+        generator = torch.Generator().manual_seed(mix_seeds(args.seed, epoch, accelerator.process_index, 7))
+        step_stats, grad_norms = [], []
+        micro = args.train_batch_size
+        progress = tqdm(total=args.num_inner_epochs * len(kept) // micro, desc=f"epoch {epoch} update",
+                        disable=not accelerator.is_local_main_process)
+        stop = False
+        for _ in range(args.num_inner_epochs):
+            order = kept[torch.randperm(len(kept), generator=generator)]
+            train_steps = select_train_timesteps(
+                len(order), rollout.log_probs.shape[1], args.timestep_fraction, generator, shuffle=not args.no_timestep_shuffle
+            )
+            for start in range(0, len(order), micro):
+                idx = order[start : start + micro]
+                for j in range(n_train_steps):
+                    s = train_steps[start : start + micro, j]
+                    with accelerator.accumulate(model):
+                        embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
+                        out = step_log_prob(
+                            policy, model, rollout.latents[idx, s], rollout.next_latents[idx, s],
+                            rollout.timesteps[idx, s], rollout.sigmas[idx, s], rollout.sigmas_next[idx, s],
+                            embeds, config=sampling, sigma_max=rollout.sigma_max,
+                        )
+                        kl = None
+                        if args.beta > 0:
+                            with torch.no_grad():
+                                if args.use_lora:
+                                    accelerator.unwrap_model(model).disable_adapters()
+                                ref = step_log_prob(
+                                    policy, ref_transformer if ref_transformer is not None else model,
+                                    rollout.latents[idx, s], rollout.next_latents[idx, s], rollout.timesteps[idx, s],
+                                    rollout.sigmas[idx, s], rollout.sigmas_next[idx, s], embeds,
+                                    config=sampling, sigma_max=rollout.sigma_max,
+                                )
+                                if args.use_lora:
+                                    accelerator.unwrap_model(model).enable_adapters()
+                            kl = kl_between_means(out.mean, ref.mean, out.std)
+                        loss, stats = grpo_loss(
+                            out.log_prob, rollout.log_probs[idx, s].to(out.log_prob.device),
+                            local_adv[idx].to(out.log_prob.device), args.clip_range, kl=kl, beta=args.beta,
+                        )
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                            if norm is not None:
+                                grad_norms.append(float(norm))
+                        optimizer.step()
+                        lr_scheduler.step()
+                        optimizer.zero_grad()
+                    step_stats.append({k: float(v) for k, v in stats.items()})
+                    if accelerator.sync_gradients:
+                        global_step += 1
+                        if ema is not None:
+                            ema.step(global_step)
+                        if args.max_train_steps is not None and global_step >= args.max_train_steps:
+                            stop = True
+                if accelerator.sync_gradients:
+                    progress.update(args.gradient_accumulation_steps)
+                if stop:
+                    break
+            if stop:
+                break
+        progress.close()
+        timings["time/train_s"] = time.perf_counter() - t0
+
+        # 4. Log, evaluate, checkpoint.
+        if step_stats:
+            for key in step_stats[0]:
+                epoch_logs[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
+        if grad_norms:
+            epoch_logs["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        epoch_logs["train/lr"] = lr_scheduler.get_last_lr()[0]
+        epoch_logs["memory/peak_gb"] = peak_memory_gb(device)
+        epoch_logs.update(timings)
+        log(epoch_logs, global_step, epoch)
+        accelerator.print(
+            f"epoch {epoch} step {global_step}: "
+            + ", ".join(f"{k.split('/')[1]}={epoch_logs[k]:.4f}" for k in epoch_logs if k.startswith("reward/") and k.endswith("_mean"))
+        )
+        done = stop or epoch == args.num_epochs - 1
+        if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
+            last_eval = run_eval(epoch)
+        if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
+            path = save_checkpoint(
+                accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch,
+                config=run_config, use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit,
+            )
+            logger.info(f"Saved {path}")
+            if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
+                from genrl.hub import push_checkpoint_async
+
+                push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+        if stop:
+            break
+
+    # ---- Export, plots, model card, Hub ----------------------------------------------------------
+    export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
+    if accelerator.is_main_process:
+        from genrl.model_card import write_model_card
+        from genrl.plots import plot_training_curves
+
+        plot = plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")) if os.path.exists(metrics_path) else None
+        write_model_card(
+            args.output_dir,
+            base_model=run_config["base_model"],
+            reward_spec=args.reward_fn,
+            hyperparameters=run_config["args"],
+            eval_metrics=last_eval or None,
+            sample_images=[plot] if plot else [],
+            launch_command=run_config["launch_command"],
+            tags=["genrl", "grpo", policy.family],
+        )
+        logger.info(f"Exported to {args.output_dir}")
+        if args.push_to_hub:
+            from genrl.hub import push_to_hub
+
+            push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(parse_args())
