@@ -102,12 +102,15 @@ def select_frame_indices(
     _check_video(total_frames, fps)
     if mode == "uniform":
         count = uniform_frame_count(
-            total_frames, fps, sample_fps=sample_fps, min_frames=min_frames, max_frames=max_frames, num_frames=num_frames
+            total_frames, fps, sample_fps=sample_fps, min_frames=min_frames, max_frames=max_frames,
+            num_frames=num_frames,
         )
         return _linspace_indices(total_frames - 1, count)
     if mode == "multi_pts":
         if num_points < 1 or frames_per_point < 1:
-            raise ValueError(f"multi_pts needs num_points >= 1 and frames_per_point >= 1, got {num_points}, {frames_per_point}.")
+            raise ValueError(
+                f"multi_pts needs num_points >= 1 and frames_per_point >= 1, got {num_points}, {frames_per_point}."
+            )
         grid_size = max(frames_per_point, int(total_frames * multi_pts_fps // fps))
         grid = _linspace_indices(total_frames - 1, grid_size)
         half = frames_per_point // 2

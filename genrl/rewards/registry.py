@@ -128,18 +128,22 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
         parts = [p.strip() for p in item.split(":")]
         if len(parts) == 1:
             name, weight = parts[0], "1"
-        elif len(parts) == 2 and (_NUMBER.match(parts[1]) or parts[0] in _REGISTRY or not parts[1].isidentifier()):
-            name, weight = parts
         elif len(parts) == 2:
-            name, weight = f"{parts[0]}:{parts[1]}", "1"
+            # "name:weight" unless the right side is a function name after a non-registered module.
+            is_weight = _NUMBER.match(parts[1]) or parts[0] in _REGISTRY or not parts[1].isidentifier()
+            name, weight = parts if is_weight else (f"{parts[0]}:{parts[1]}", "1")
         elif len(parts) == 3:
             name, weight = f"{parts[0]}:{parts[1]}", parts[2]
         else:
-            raise ValueError(f"Cannot parse reward item {item!r}; expected 'name', 'name:weight' or 'module:function:weight'.")
+            raise ValueError(
+                f"Cannot parse reward item {item!r}; expected 'name', 'name:weight' or 'module:function:weight'."
+            )
         if ":" in name:
             _split_path(name)
         elif name not in _REGISTRY:
-            raise ValueError(f"Unknown reward {name!r}; known rewards: {known_rewards()} (or 'package.module:function').")
+            raise ValueError(
+                f"Unknown reward {name!r}; known rewards: {known_rewards()} (or 'package.module:function')."
+            )
         if not _NUMBER.match(weight):
             raise ValueError(f"Bad weight {weight!r} for reward {name!r} in {spec!r}; expected a number such as 0.5.")
         if any(name == n for n, _ in parsed):
@@ -156,7 +160,9 @@ def _as_scores(value: Any, name: str, n: int) -> torch.Tensor:
         raise TypeError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
     scores = scores.detach().to("cpu", torch.float32)
     if tuple(scores.shape) != (n,):
-        raise ValueError(f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample.")
+        raise ValueError(
+            f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample."
+        )
     if not torch.isfinite(scores).all():
         raise ValueError(f"Reward {name!r} returned non-finite scores {scores.tolist()}.")
     return scores
@@ -169,9 +175,10 @@ class RewardFn:
     with ``total = sum_i weight_i * score_i``. Attributes: ``names``, ``weights``, ``device``.
     """
 
-    def __init__(self, names: list[str], weights: list[float], fns: list[Callable[..., Any]], groups: list[list[int]], device):
+    def __init__(self, names: list[str], weights: list[float], fns: list[Callable], groups: list[list[int]], device):
         self.names, self.weights, self.device = names, weights, device
-        self._fns, self._groups = fns, groups
+        self._fns = fns  # one callable per name
+        self._groups = groups  # indices of names one call may serve together (same factory and options)
 
     def __repr__(self) -> str:
         spec = ",".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights))
@@ -183,7 +190,9 @@ class RewardFn:
         except Exception as e:
             raise RuntimeError(f"Reward {self.names[i]!r} failed: {type(e).__name__}: {e}") from e
 
-    def __call__(self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None) -> dict[str, torch.Tensor]:
+    def __call__(
+        self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None
+    ) -> dict[str, torch.Tensor]:
         n = len(samples)
         if prompts is not None and len(prompts) != n:
             raise ValueError(f"Got {len(prompts)} prompts for {n} samples.")
@@ -222,30 +231,29 @@ def build_reward_fn(
     if unused:
         raise ValueError(f"Options given for rewards {unused} that are not in the spec {spec!r}.")
     device = torch.device(device)
-    names, weights, fns, groups = [], [], [], []
-    group_keys: list[tuple[Any, dict]] = []  # (factory, options) of each group
-    for name, weight in parsed:
+    fns, groups, group_keys = [], [], []
+    for index, (name, _) in enumerate(parsed):
         opts = dict(options.get(name, {}))
+        key = None  # user functions are never grouped
         if ":" in name:
             fn = _import_path(name, f"reward {name!r}")
-            if opts:
-                fn = _with_kwargs(fn, opts)
-            key = None  # user functions are never grouped
+            fn = _with_kwargs(fn, opts) if opts else fn
         else:
             factory = _factory(name)
-            fn = factory(name=name, device=device, **opts)
+            try:
+                fn = factory(name=name, device=device, **opts)
+            except Exception as e:
+                raise RuntimeError(f"Could not build reward {name!r}: {type(e).__name__}: {e}") from e
             key = (factory, opts)
-        index = len(names)
-        names.append(name)
-        weights.append(weight)
         fns.append(fn)
-        match = next((g for g, k in zip(groups, group_keys) if key is not None and k[0] is key[0] and k[1] == key[1]), None)
-        if match is None:
-            groups.append([index])
-            group_keys.append(key if key is not None else (object(), {}))
+        for group, group_key in zip(groups, group_keys):
+            if key is not None and group_key is not None and group_key[0] is key[0] and group_key[1] == key[1]:
+                group.append(index)
+                break
         else:
-            match.append(index)
-    return RewardFn(names, weights, fns, groups, device)
+            groups.append([index])
+            group_keys.append(key)
+    return RewardFn([n for n, _ in parsed], [w for _, w in parsed], fns, groups, device)
 
 
 def _with_kwargs(fn: Callable[..., Any], kwargs: dict) -> Callable[..., Any]:

@@ -44,7 +44,10 @@ def mean_abs_frame_difference(frames: np.ndarray) -> np.ndarray:
     return diffs.reshape(frames.shape[0], -1).mean(axis=1) / 255.0
 
 
-def build_jpeg_reward(name: str = "jpeg_compressibility", device: Any = "cpu", quality: int = 95) -> Callable[..., torch.Tensor]:
+RewardCallable = Callable[..., torch.Tensor]
+
+
+def build_jpeg_reward(name: str = "jpeg_compressibility", device: Any = "cpu", quality: int = 95) -> RewardCallable:
     """``jpeg_compressibility``: -(mean JPEG kB per frame); ``jpeg_incompressibility``: +(same)."""
     signs = {"jpeg_compressibility": -1.0, "jpeg_incompressibility": 1.0}
     if name not in signs:
@@ -59,7 +62,7 @@ def build_jpeg_reward(name: str = "jpeg_compressibility", device: Any = "cpu", q
     return reward
 
 
-def build_temporal_smoothness_reward(name: str = "temporal_smoothness", device: Any = "cpu") -> Callable[..., torch.Tensor]:
+def build_temporal_smoothness_reward(name: str = "temporal_smoothness", device: Any = "cpu") -> RewardCallable:
     """``temporal_smoothness``: -(mean absolute difference of consecutive frames), in [-1, 0];
     a one-frame sample scores 0."""
     if name != "temporal_smoothness":

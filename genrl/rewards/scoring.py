@@ -65,7 +65,9 @@ class RewardScorer:
         self.empty_cache = empty_cache or _empty_device_cache
         self.wait_s = 0.0
         self._pending: list[Future | tuple] = []
-        self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward") if mode == "async" else None
+        self._executor = None
+        if mode == "async":
+            self._executor = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
 
     def submit(self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None) -> None:
         """Queue one batch; async mode starts scoring it now."""
