@@ -250,6 +250,17 @@ def test_bad_outputs_name_the_reward(output, match):
         fn(_batch(), ["p"] * 3)
 
 
+def test_nan_only_when_allowed():
+    register_reward("partial", lambda name, device: (lambda s, p, m: torch.tensor([1.0, float("nan"), 0.0])))
+    with pytest.raises(ValueError, match="'partial' returned non-finite"):
+        build_reward_fn("partial")(_batch(), ["p"] * 3)
+    out = build_reward_fn("partial:2", allow_nan=True)(_batch(), ["p"] * 3)
+    assert out["total"][0] == 2.0 and out["total"][1].isnan() and out["total"][2] == 0.0
+    register_reward("infinite", lambda name, device: (lambda s, p, m: torch.tensor([1.0, float("inf"), 0.0])))
+    with pytest.raises(ValueError, match="'infinite' returned non-finite"):
+        build_reward_fn("infinite", allow_nan=True)(_batch(), ["p"] * 3)
+
+
 def test_raising_reward_names_itself():
     def factory(name, device):
         def reward(samples, prompts, metadata):

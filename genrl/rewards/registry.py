@@ -152,7 +152,7 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return parsed
 
 
-def _as_scores(value: Any, name: str, n: int) -> torch.Tensor:
+def _as_scores(value: Any, name: str, n: int, allow_nan: bool) -> torch.Tensor:
     """One reward's output -> float32 CPU ``(N,)``, or an error naming the reward."""
     try:
         scores = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value)
@@ -163,8 +163,12 @@ def _as_scores(value: Any, name: str, n: int) -> torch.Tensor:
         raise ValueError(
             f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample."
         )
-    if not torch.isfinite(scores).all():
-        raise ValueError(f"Reward {name!r} returned non-finite scores {scores.tolist()}.")
+    bad = scores.isinf() | (scores.isnan() & (not allow_nan))
+    if bad.any():
+        raise ValueError(
+            f"Reward {name!r} returned non-finite scores {scores.tolist()}"
+            + ("." if allow_nan else " (NaN means 'not applicable' only with allow_nan=True, for evaluation).")
+        )
     return scores
 
 
@@ -172,11 +176,15 @@ class RewardFn:
     """Weighted sum of named rewards.
 
     ``reward_fn(samples, prompts, metadata=None)`` -> ``{name: (N,) float32 CPU, ..., "total": (N,)}``
-    with ``total = sum_i weight_i * score_i``. Attributes: ``names``, ``weights``, ``device``.
+    with ``total = sum_i weight_i * score_i``. Attributes: ``names``, ``weights``, ``device``,
+    ``allow_nan``. A NaN score ("not applicable to this sample", e.g. a position check on a
+    counting prompt) is an error unless ``allow_nan``; then it makes that sample's total NaN.
     """
 
-    def __init__(self, names: list[str], weights: list[float], fns: list[Callable], groups: list[list[int]], device):
-        self.names, self.weights, self.device = names, weights, device
+    def __init__(
+        self, names: list[str], weights: list[float], fns: list[Callable], groups: list[list[int]], device, allow_nan
+    ):
+        self.names, self.weights, self.device, self.allow_nan = names, weights, device, allow_nan
         self._fns = fns  # one callable per name
         self._groups = groups  # indices of names one call may serve together (same factory and options)
 
@@ -209,7 +217,7 @@ class RewardFn:
                     if name not in value:
                         raise ValueError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
                     value = value[name]
-                out[name] = _as_scores(value, name, n)
+                out[name] = _as_scores(value, name, n, self.allow_nan)
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
         total = torch.zeros(n, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights):
@@ -219,11 +227,17 @@ class RewardFn:
 
 
 def build_reward_fn(
-    spec: str, *, device: str | torch.device = "cpu", options: Mapping[str, Mapping[str, Any]] | None = None
+    spec: str,
+    *,
+    device: str | torch.device = "cpu",
+    options: Mapping[str, Mapping[str, Any]] | None = None,
+    allow_nan: bool = False,
 ) -> RewardFn:
     """Build every reward of ``spec`` now (errors surface at start-up, not mid-epoch).
 
     ``options[name]`` are passed to that reward's factory (user functions: to every call).
+    ``allow_nan`` lets rewards report NaN for "not applicable" (evaluation); training keeps
+    the default, where a NaN score is an error naming the reward.
     """
     parsed = parse_reward_spec(spec)
     options = dict(options or {})
@@ -253,7 +267,7 @@ def build_reward_fn(
         else:
             groups.append([index])
             group_keys.append(key)
-    return RewardFn([n for n, _ in parsed], [w for _, w in parsed], fns, groups, device)
+    return RewardFn([n for n, _ in parsed], [w for _, w in parsed], fns, groups, device, allow_nan)
 
 
 def _with_kwargs(fn: Callable[..., Any], kwargs: dict) -> Callable[..., Any]:
@@ -267,6 +281,9 @@ def _with_kwargs(fn: Callable[..., Any], kwargs: dict) -> Callable[..., Any]:
 for _name in ("jpeg_compressibility", "jpeg_incompressibility"):
     register_reward(_name, "genrl.rewards.rule_based:build_jpeg_reward")
 register_reward("temporal_smoothness", "genrl.rewards.rule_based:build_temporal_smoothness_reward")
+for _name in ("toy_geneval", "toy_geneval_strict", "toy_geneval_color", "toy_geneval_shape", "toy_geneval_count",
+              "toy_geneval_position"):
+    register_reward(_name, "genrl.rewards.toy_geneval:build_toy_geneval_reward")
 for _name in ("hpsv3", "hpsv3_top30"):
     register_reward(_name, "genrl.rewards.hpsv3:build_hpsv3_reward")
 for _name in ("videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"):

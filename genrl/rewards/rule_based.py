@@ -69,6 +69,6 @@ def build_temporal_smoothness_reward(name: str = "temporal_smoothness", device: 
         raise ValueError(f"build_temporal_smoothness_reward serves 'temporal_smoothness', not {name!r}.")
 
     def reward(samples: Any, prompts: Any = None, metadata: Any = None) -> torch.Tensor:
-        return torch.as_tensor(-mean_abs_frame_difference(prepare_images(samples)), dtype=torch.float32)
+        return torch.as_tensor(0.0 - mean_abs_frame_difference(prepare_images(samples)), dtype=torch.float32)  # no -0.0
 
     return reward
