@@ -1,0 +1,119 @@
+"""Tiny Qwen2-VL reward models, tokenizers and folders built in tests (no network, no downloads).
+
+The tokenizer is byte-level with no merges (every byte one token) plus the Qwen2-VL control
+tokens; its chat template writes one ``<|vision_start|><|image_pad|><|vision_end|>`` (or
+video) item before the user text, like Qwen2-VL's. Prompt templates here are our own text.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast, Qwen2VLConfig
+
+from genrl.rewards.qwen2vl_compat import build_qwen2vl_model
+
+CONTROL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+    "{% if c['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif c['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% else %}{{ c['text'] }}{% endif %}{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+HPS_TEMPLATE = "Judge this picture against the request: {text_prompt}\nScore: <|Reward|>\n"
+VA_TEMPLATE = "Looks <|VQ_reward|> moves <|MQ_reward|> asked for: {text_prompt} fits <|TA_reward|>\n"
+
+
+def make_tokenizer(reward_tokens=()) -> PreTrainedTokenizerFast:
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    backend = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend)
+    tokenizer.add_tokens(list(CONTROL_TOKENS), special_tokens=True)
+    tokenizer.pad_token, tokenizer.eos_token = "<|endoftext|>", "<|im_end|>"
+    tokenizer.chat_template = CHAT_TEMPLATE
+    if reward_tokens:
+        tokenizer.add_tokens(list(reward_tokens), special_tokens=True)
+    return tokenizer
+
+
+def tiny_config(vocab_size: int, tokenizer, *, tie: bool = False) -> Qwen2VLConfig:
+    """Text hidden 64 (2 layers), vision embed 32 (depth 1): pre- and post-merger widths differ."""
+    ids = tokenizer.convert_tokens_to_ids
+    config = Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            bos_token_id=None, eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
+            tie_word_embeddings=tie, initializer_range=0.1,
+        ),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, initializer_range=0.1),
+        image_token_id=ids("<|image_pad|>"), video_token_id=ids("<|video_pad|>"),
+        vision_start_token_id=ids("<|vision_start|>"), vision_end_token_id=ids("<|vision_end|>"),
+        tie_word_embeddings=tie,
+    )
+    return config
+
+
+def make_base_folder(path: str, *, tie: bool = False) -> str:
+    """A base "Qwen2-VL" folder: config.json + tokenizer + chat template, no weights."""
+    os.makedirs(path, exist_ok=True)
+    tokenizer = make_tokenizer()
+    tokenizer.save_pretrained(path)
+    tiny_config(len(tokenizer), tokenizer, tie=tie).save_pretrained(path)
+    return path
+
+
+def make_reward_model(head: torch.nn.Module, vocab_size: int, tokenizer, *, seed: int = 0, tie: bool = False):
+    """A random tiny Qwen2-VL with ``rm_head``; LayerNorm/RMSNorm weights randomised too."""
+    torch.manual_seed(seed)
+    model = build_qwen2vl_model(tiny_config(vocab_size, tokenizer, tie=tie), on_meta=False, dtype=torch.float32)
+    model.rm_head = head
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".norm" in name or "ln_q" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    model.eval().requires_grad_(False)
+    return model
+
+
+def to_old_layout(state_dict: dict) -> dict:
+    """The transformers-4.45 key layout HPSv3 / VideoAlign checkpoints carry."""
+    out = {}
+    for key, value in state_dict.items():
+        prefix = "base_model.model." if key.startswith("base_model.model.") else ""
+        rest = key[len(prefix):]
+        if rest.startswith("model.visual."):
+            rest = rest[len("model."):]
+        elif rest.startswith("model.language_model."):
+            rest = "model." + rest[len("model.language_model."):]
+        out[prefix + rest] = value
+    return out
+
+
+def smooth_images(n: int, height: int, width: int, seed: int = 0) -> torch.Tensor:
+    """uint8 ``(n, height, width, 3)`` gradients with random phases (resizers agree on smooth images)."""
+    rng = np.random.default_rng(seed)
+    yy, xx = np.mgrid[0:height, 0:width].astype(np.float64)
+    images = []
+    for _ in range(n):
+        a, b, c = rng.uniform(0.5, 3.0, 3)
+        phase = rng.uniform(0, 2 * np.pi, 3)
+        channels = [127.5 + 127.5 * np.sin(a * yy / height * np.pi + b * xx / width * np.pi + phase[k] + k) for k in range(3)]
+        images.append(np.stack(channels, axis=-1))
+    return torch.from_numpy(np.clip(np.round(np.stack(images)), 0, 255).astype(np.uint8))
+
+
+def write_json(path: str, obj) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    return path
