@@ -1,0 +1,210 @@
+"""Bounded, deterministic evaluation of a base model, a genrl export, a training checkpoint or a
+LoRA adapter on a prompt set, scored by genrl rewards.
+
+    python eval_genrl.py --model runs/wan-hps/checkpoint-200 --max_batches 8 --seed 0
+    accelerate launch --num_processes 2 eval_genrl.py --model runs/wan-hps --use_ema \
+        --reward_fn "hpsv3:1.0" --prompts prompts/test.txt
+    python eval_genrl.py --model Wan-AI/Wan2.1-T2V-1.3B-Diffusers --compare runs/wan-hps
+
+Writes ``<output_dir>/metrics.json`` (per-reward mean and std, per-prompt scores, settings),
+``samples.png`` and, for videos, ``videos/<index>.mp4``. With ``--compare MODEL_B`` both models
+are evaluated on the same prompts and seeds: ``model_a/`` and ``model_b/`` hold each one's
+outputs, ``compare.png`` and ``compare.html`` show them side by side.
+
+The numbers depend only on the arguments, not on the number of processes (see
+``genrl.evaluation``).
+"""
+
+import argparse
+import gc
+import json
+import logging
+import os
+
+import torch
+from accelerate.logging import get_logger
+
+from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
+from genrl.data import load_prompts
+from genrl.distributed import build_accelerator, zero_init_disabled
+from genrl.evaluation import evaluate, save_comparison, save_eval_outputs
+from genrl.policies import FlowPolicy, load_policy
+from genrl.rewards import build_reward_fn
+from genrl.rollout import SamplingConfig
+from genrl.toy_scenes import prompt_splits
+
+logger = get_logger(__name__)
+
+DEFAULT_REWARD = "jpeg_compressibility"
+WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def parse_args(input_args=None):
+    parser = argparse.ArgumentParser(description="Deterministic, bounded evaluation of a genrl model.")
+    parser.add_argument(
+        "--model", "--checkpoint", "--pretrained_model_name_or_path", dest="model", type=str, required=True,
+        help="A base diffusers pipeline (folder or Hub id), a genrl export (output_dir), a checkpoint-<step> "
+        "folder, or a LoRA adapter (a .safetensors file or a folder holding one; needs --base_model).",
+    )
+    parser.add_argument("--base_model", type=str, default=None, help="Base pipeline of a bare LoRA adapter.")
+    parser.add_argument("--compare", type=str, default=None, metavar="MODEL_B",
+                        help="A second model, evaluated on the same prompts and seeds, shown side by side.")
+    parser.add_argument("--use_ema", action="store_true", help="Evaluate the EMA weights of a genrl export/checkpoint.")
+    parser.add_argument("--prompts", type=str, default=None,
+                        help="Prompt file (.txt one per line, .jsonl/.csv with a prompt column) or dataset; "
+                        "default: the toy test prompts of the embedded default run.")
+    parser.add_argument("--prompt_column", type=str, default="prompt")
+    parser.add_argument("--reward_fn", type=str, default=None,
+                        help=f"Reward spec 'name:weight,...'; default: the one the export was trained with, else {DEFAULT_REWARD!r}.")
+    parser.add_argument("--max_batches", type=int, default=8, help="Evaluate at most this many batches (0 = every prompt).")
+    parser.add_argument("--batch_size", type=int, default=4, help="Prompts per batch (per forward pass).")
+    parser.add_argument("--seed", type=int, default=0, help="Batch b starts from noise seeded with seed + b.")
+    parser.add_argument("--num_inference_steps", type=int, default=16)
+    parser.add_argument("--guidance_scale", type=float, default=4.5)
+    parser.add_argument("--negative_prompt", type=str, default="")
+    parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
+    parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")
+    parser.add_argument("--num_frames", type=int, default=None, help="Default: the model's own (videos).")
+    parser.add_argument("--mixed_precision", type=str, default="no", choices=sorted(WEIGHT_DTYPES),
+                        help="Weight dtype of the model while sampling.")
+    parser.add_argument("--save_samples", type=int, default=16,
+                        help="How many samples (first in prompt order) go into the grid and MP4s; -1 = all.")
+    parser.add_argument("--fps", type=float, default=16.0, help="Frame rate of the written MP4s.")
+    parser.add_argument("--output_dir", type=str, default="genrl-eval")
+    args = parser.parse_args(input_args)
+
+    if args.batch_size < 1:
+        parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
+    if args.max_batches < 0:
+        parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
+    if args.save_samples < -1:
+        parser.error(f"--save_samples must be >= 0, or -1 for all; got {args.save_samples}.")
+    return args
+
+
+def _lora_file(path: str, use_ema: bool) -> str | None:
+    """The LoRA weights file ``path`` is or holds when it is a bare adapter (no genrl config,
+    no diffusers pipeline), else None."""
+    if os.path.isfile(path) and path.endswith(".safetensors"):
+        return path
+    if os.path.isdir(path) and not any(os.path.isfile(os.path.join(path, f)) for f in (CONFIG_FILE, "model_index.json")):
+        candidate = os.path.join(path, LORA_EMA_FILE if use_ema else LORA_FILE)
+        return candidate if os.path.isfile(candidate) else None
+    return None
+
+
+def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch.dtype) -> FlowPolicy:
+    """Any model ``--model`` accepts -> a FlowPolicy with its trained weights in the transformer."""
+    lora = _lora_file(path, use_ema)
+    with zero_init_disabled():
+        if lora is None:
+            return load_trained_policy(path, use_ema=use_ema, dtype=dtype)
+        if base_model is None:
+            raise ValueError(f"{path!r} is a bare LoRA adapter; give its base pipeline with --base_model.")
+        policy = load_policy(base_model, dtype=dtype)
+        policy.pipeline.load_lora_weights(os.path.dirname(os.path.abspath(lora)), weight_name=os.path.basename(lora))
+        policy.pipeline.fuse_lora()
+        policy.pipeline.unload_lora_weights()
+        return policy
+
+
+def trained_reward_spec(path: str) -> str | None:
+    """The ``reward_fn`` a genrl export/checkpoint was trained with, if ``path`` is one."""
+    config = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else None
+    if config is None or not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        return json.load(f).get("reward_fn")
+
+
+def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config):
+    dtype = WEIGHT_DTYPES[args.mixed_precision]
+    policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype)
+    policy.to(accelerator.device)  # text encoders and VAE were loaded in dtype
+    policy.transformer.to(accelerator.device)
+    if dtype != torch.float32:
+        policy.transformer.to(dtype)
+    result = evaluate(
+        policy,
+        policy.transformer,
+        prompts,
+        reward_fn,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        max_batches=args.max_batches or None,
+        config=config,
+        device=accelerator.device,
+        accelerator=accelerator,
+        metadata=metadata,
+        keep_samples=None if args.save_samples == -1 else args.save_samples,
+    )
+    result.settings.update(model=path, use_ema=args.use_ema, reward_fn=reward_fn_spec(args), mixed_precision=args.mixed_precision)
+    del policy
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+def reward_fn_spec(args) -> str:
+    return args.reward_fn or trained_reward_spec(args.model) or DEFAULT_REWARD
+
+
+def main(args):
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    accelerator = build_accelerator(output_dir=args.output_dir)
+    torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation
+
+    if args.prompts is None:
+        prompts, metadata = prompt_splits()[1], None
+    else:
+        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
+        prompts, metadata = prompt_set.prompts, prompt_set.metadata
+    spec = reward_fn_spec(args)
+    with zero_init_disabled():
+        reward_fn = build_reward_fn(spec, device=accelerator.device)
+    config = SamplingConfig(
+        num_inference_steps=args.num_inference_steps,
+        guidance_scale=args.guidance_scale,
+        noise_level=0.0,
+        height=args.height,
+        width=args.width,
+        num_frames=args.num_frames,
+        negative_prompt=args.negative_prompt,
+    )
+    logger.info(
+        f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "
+        f"{args.batch_size}) with reward {spec!r}, seed {args.seed}, {accelerator.num_processes} process(es).",
+        main_process_only=True,
+    )
+
+    result_a = evaluate_model(args.model, args, accelerator, prompts, metadata, reward_fn, config)
+    result_b = None
+    if args.compare:
+        result_b = evaluate_model(args.compare, args, accelerator, prompts, metadata, reward_fn, config)
+
+    if accelerator.is_main_process:
+        if result_b is None:
+            save_eval_outputs(result_a, args.output_dir, fps=args.fps)
+        else:
+            save_eval_outputs(result_a, os.path.join(args.output_dir, "model_a"), fps=args.fps)
+            save_eval_outputs(result_b, os.path.join(args.output_dir, "model_b"), fps=args.fps)
+            save_comparison(
+                result_a,
+                result_b,
+                args.output_dir,
+                labels=(os.path.basename(os.path.normpath(args.model)), os.path.basename(os.path.normpath(args.compare))),
+                video_dirs=("model_a/videos", "model_b/videos"),
+            )
+        for name, stats in result_a.metrics.items():
+            line = f"{name}: {stats['mean']:.4f} (std {stats['std']:.4f})"
+            if result_b is not None and name in result_b.metrics:
+                line += f"  vs  {result_b.metrics[name]['mean']:.4f} (std {result_b.metrics[name]['std']:.4f})"
+            logger.info(line, main_process_only=True)
+        logger.info(f"Wrote the evaluation to {os.path.abspath(args.output_dir)}", main_process_only=True)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main(parse_args())

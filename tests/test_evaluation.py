@@ -1,0 +1,277 @@
+"""Evaluation: determinism, bounds, one generator, process-count independence, outputs."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+import eval_genrl
+import genrl.evaluation as evaluation
+from genrl.evaluation import batches_of_process, eval_batches, evaluate, save_image_grid
+from genrl.policies import load_policy
+from genrl.rewards import build_reward_fn
+from genrl.rollout import SamplingConfig
+from genrl.tiny_pipelines import save_tiny_pipeline
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = ["a red circle", "two blue squares", "a cat on a table", "a dog", "the sun over the sea", "a blue bird", "a tree"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Few steps: the tests pin the evaluation's bookkeeping, not image quality.
+CONFIG = SamplingConfig(num_inference_steps=3, guidance_scale=3.0, noise_level=0.9, sde_window_size=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def few_threads():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tiny_wan(tmp_path_factory):
+    return save_tiny_pipeline("wan", str(tmp_path_factory.mktemp("models") / "tiny-wan"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_wan):
+    return load_policy(tiny_wan)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def reward_fn():
+    return build_reward_fn("jpeg_compressibility,temporal_smoothness:0.5")
+
+
+def _evaluate(policy, reward_fn, prompts=PROMPTS, **kwargs):
+    kwargs = {"seed": 0, "batch_size": 2, "max_batches": 2, "config": CONFIG, "device": "cpu", **kwargs}
+    return evaluate(policy, policy.transformer, prompts, reward_fn, **kwargs)
+
+
+def _script_args(model, prompts_file, output_dir, *extra):
+    return ["--model", model, "--prompts", prompts_file, "--output_dir", str(output_dir), "--batch_size", "2",
+            "--max_batches", "3", "--num_inference_steps", "3", "--guidance_scale", "3.0",
+            "--reward_fn", "jpeg_compressibility,temporal_smoothness:0.5", *extra]
+
+
+# ------------------------------------------------------------------------------ batch plan
+
+
+def test_eval_batches_are_global_and_bounded():
+    assert eval_batches(7, 2, None) == [range(0, 2), range(2, 4), range(4, 6), range(6, 7)]
+    assert eval_batches(7, 2, 2) == [range(0, 2), range(2, 4)]
+    assert eval_batches(3, 4, 5) == [range(0, 3)]
+    with pytest.raises(ValueError, match="batch_size"):
+        eval_batches(3, 0, None)
+    with pytest.raises(ValueError, match="max_batches"):
+        eval_batches(3, 2, 0)
+
+
+def test_every_process_runs_as_many_batches_and_all_batches_run_once():
+    for num_batches in (1, 4, 5):
+        plans = [batches_of_process(num_batches, r, 3) for r in range(3)]
+        assert len({len(p) for p in plans}) == 1
+        assert sorted(b for p in plans for b in p if b is not None) == list(range(num_batches))
+
+
+# ------------------------------------------------------------------------------ evaluate
+
+
+def test_evaluate_is_deterministic_and_the_seed_matters(policy, reward_fn):
+    a = _evaluate(policy, reward_fn)
+    b = _evaluate(policy, reward_fn)
+    c = _evaluate(policy, reward_fn, seed=1)
+    assert a.metrics == b.metrics and a.per_prompt == b.per_prompt
+    assert torch.equal(a.samples, b.samples)
+    assert a.samples.dtype == torch.uint8 and a.samples.shape == (4, 5, 32, 32, 3)  # (N, F, H, W, C)
+    assert not torch.equal(a.samples, c.samples)
+    assert a.per_prompt != c.per_prompt
+
+
+def test_max_batches_bounds_the_evaluation(policy, reward_fn):
+    result = _evaluate(policy, reward_fn, max_batches=2)
+    assert [r["index"] for r in result.per_prompt] == [0, 1, 2, 3]
+    assert [r["prompt"] for r in result.per_prompt] == PROMPTS[:4]
+    assert result.settings["num_batches"] == 2 and result.settings["num_samples"] == 4
+    # metrics are over exactly those samples
+    totals = torch.tensor([r["scores"]["total"] for r in result.per_prompt], dtype=torch.float64)
+    assert result.metrics["total"]["mean"] == pytest.approx(float(totals.mean()))
+    assert result.metrics["total"]["std"] == pytest.approx(float(totals.std(correction=0)))
+    assert set(result.metrics) == {"jpeg_compressibility", "temporal_smoothness", "total"}
+
+
+def test_one_generator_per_evaluation_reseeded_with_seed_plus_batch(policy, reward_fn, monkeypatch):
+    built = []
+
+    def counting_generator():
+        built.append(1)
+        return torch.Generator(device="cpu")
+
+    monkeypatch.setattr(evaluation, "make_eval_generator", counting_generator)
+    same = ["a red circle"] * 4  # same prompt everywhere: only the noise differs between batches
+    two_batches = _evaluate(policy, reward_fn, prompts=same, seed=0, max_batches=2)
+    assert len(built) == 1  # not one per batch
+    one_batch = _evaluate(policy, reward_fn, prompts=same, seed=1, max_batches=1)
+    assert len(built) == 2
+    # batch 1 of seed 0 is seeded with 0 + 1, exactly like batch 0 of seed 1
+    assert torch.equal(two_batches.samples[2:4], one_batch.samples[0:2])
+    assert not torch.equal(two_batches.samples[0:2], two_batches.samples[2:4])
+    # within a batch, each position draws its own noise
+    assert not torch.equal(two_batches.samples[0], two_batches.samples[1])
+
+
+def test_noise_level_of_the_training_config_is_ignored(policy, reward_fn):
+    deterministic = SamplingConfig(num_inference_steps=3, guidance_scale=3.0, noise_level=0.0)
+    a = _evaluate(policy, reward_fn, max_batches=1)
+    b = _evaluate(policy, reward_fn, max_batches=1, config=deterministic)
+    assert torch.equal(a.samples, b.samples) and a.settings["noise_level"] == 0.0
+
+
+def test_keep_samples_keeps_the_first_in_prompt_order(policy, reward_fn):
+    everything = _evaluate(policy, reward_fn, max_batches=2)
+    some = _evaluate(policy, reward_fn, max_batches=2, keep_samples=3)
+    none = _evaluate(policy, reward_fn, max_batches=2, keep_samples=0)
+    assert torch.equal(some.samples, everything.samples[:3])
+    assert none.samples is None and none.metrics == everything.metrics
+
+
+def test_rewards_get_decoded_cpu_samples_and_metadata_in_prompt_order(policy):
+    seen = []
+
+    def reward(samples, prompts, metadata):
+        seen.append((samples.device.type, samples.dtype, tuple(samples.shape), list(prompts), list(metadata)))
+        return {"total": samples.float().mean(dim=(1, 2, 3, 4))}
+
+    metadata = [{"i": i} for i in range(len(PROMPTS))]
+    _evaluate(policy, reward, max_batches=2, metadata=metadata)
+    assert [s[3] for s in seen] == [PROMPTS[0:2], PROMPTS[2:4]]
+    assert [s[4] for s in seen] == [metadata[0:2], metadata[2:4]]
+    assert all(s[0] == "cpu" and s[1] == torch.float32 and s[2] == (2, 3, 5, 32, 32) for s in seen)
+
+
+def test_evaluate_rejects_bad_input(policy, reward_fn):
+    with pytest.raises(ValueError, match="empty prompt list"):
+        _evaluate(policy, reward_fn, prompts=[])
+    with pytest.raises(ValueError, match="2 metadata entries for 7 prompts"):
+        _evaluate(policy, reward_fn, metadata=[{}, {}])
+
+
+# ------------------------------------------------------------------------------ grids
+
+
+def test_image_grid_from_either_layout_is_the_same_png(tmp_path):
+    rng = np.random.default_rng(0)
+    video = rng.integers(0, 256, (5, 3, 8, 12, 3), dtype=np.uint8)  # (N, F, H, W, C)
+    as_float = torch.from_numpy(video).permute(0, 4, 1, 2, 3).float() / 255  # (N, C, F, H, W)
+    a = save_image_grid(video, str(tmp_path / "a.png"), nrow=2)
+    b = save_image_grid(as_float, str(tmp_path / "b.png"), nrow=2)
+    assert open(a, "rb").read(8) == PNG_SIGNATURE
+    grid_a, grid_b = cv2.imread(a), cv2.imread(b)
+    assert np.array_equal(grid_a, grid_b)
+    gap = 2
+    assert grid_a.shape == (3 * (8 + gap) + gap, 2 * (12 + gap) + gap, 3)  # 3 rows of 2
+    # cell (row 1, col 1) is sample 3's middle frame, RGB -> BGR on disk
+    y, x = gap + 1 * (8 + gap), gap + 1 * (12 + gap)
+    assert np.array_equal(grid_a[y : y + 8, x : x + 12, ::-1], video[3, 1])
+
+
+def test_image_grid_with_captions_enlarges_and_writes_text(tmp_path):
+    images = np.full((2, 1, 16, 16, 3), 128, dtype=np.uint8)
+    plain = cv2.imread(save_image_grid(images, str(tmp_path / "p.png"), nrow=2))
+    captioned = cv2.imread(save_image_grid(images, str(tmp_path / "c.png"), nrow=2, captions=["a long prompt " * 3, "b"]))
+    assert captioned.shape[1] > plain.shape[1] and captioned.shape[0] > captioned.shape[1] / 2
+    assert (captioned < 60).any()  # black caption text
+    with pytest.raises(ValueError, match="1 captions for 2 samples"):
+        save_image_grid(images, str(tmp_path / "x.png"), captions=["only one"])
+
+
+# ------------------------------------------------------------------------------ the script
+
+
+def test_script_writes_identical_outputs_run_after_run(tiny_wan, prompts_file, tmp_path):
+    for name in ("run1", "run2"):
+        eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, tmp_path / name)))
+    first = (tmp_path / "run1" / "metrics.json").read_bytes()
+    assert first == (tmp_path / "run2" / "metrics.json").read_bytes()
+    metrics = json.loads(first)
+    assert metrics["settings"]["num_batches"] == 3 and len(metrics["per_prompt"]) == 6
+    assert metrics["settings"]["seed"] == 0 and metrics["settings"]["num_inference_steps"] == 3
+    assert {"mean", "std"} == set(metrics["metrics"]["total"])
+    png = tmp_path / "run1" / "samples.png"
+    assert png.read_bytes()[:8] == PNG_SIGNATURE and cv2.imread(str(png)) is not None
+    videos = sorted(os.listdir(tmp_path / "run1" / "videos"))
+    assert videos == [f"{i:05d}.mp4" for i in range(6)]
+    frames = cv2.VideoCapture(str(tmp_path / "run1" / "videos" / "00000.mp4"))
+    assert frames.read()[0]
+
+
+@pytest.mark.slow
+def test_one_and_two_processes_give_the_same_numbers(tiny_wan, prompts_file, tmp_path):
+    """3 batches on 2 processes: rank 1 has one real batch and one padding batch."""
+    eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, tmp_path / "one")))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               "--main_process_port", str(port), os.path.join(ROOT, "eval_genrl.py"),
+               *_script_args(tiny_wan, prompts_file, tmp_path / "two")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "two" / "metrics.json").read_bytes() == (tmp_path / "one" / "metrics.json").read_bytes()
+    assert np.array_equal(cv2.imread(str(tmp_path / "two" / "samples.png")), cv2.imread(str(tmp_path / "one" / "samples.png")))
+
+
+def test_compare_holds_both_models_scores_for_every_prompt(tiny_wan, prompts_file, tmp_path):
+    model_b = save_tiny_pipeline("wan", str(tmp_path / "tiny-wan-b"), seed=1)
+    out = tmp_path / "cmp"
+    eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, out, "--compare", model_b)))
+    a = json.loads((out / "model_a" / "metrics.json").read_text())
+    b = json.loads((out / "model_b" / "metrics.json").read_text())
+    assert [r["prompt"] for r in a["per_prompt"]] == [r["prompt"] for r in b["per_prompt"]] == PROMPTS[:6]
+    assert a["settings"]["seed"] == b["settings"]["seed"] and a["per_prompt"] != b["per_prompt"]
+    html = (out / "compare.html").read_text()
+    rows = html.split("<h2>Per prompt</h2>")[1].split("</tr>")[1:-1]
+    assert len(rows) == 6
+    for row, ra, rb in zip(rows, a["per_prompt"], b["per_prompt"]):
+        assert ra["prompt"] in row
+        for scores in (ra["scores"], rb["scores"]):
+            for name, value in scores.items():
+                assert f"{name}: {value:.4g}" in row
+        for src in ("compare_images/%05d_a.png" % ra["index"], "compare_images/%05d_b.png" % ra["index"]):
+            assert src in row and cv2.imread(str(out / src)) is not None
+    assert f"{b['metrics']['total']['mean'] - a['metrics']['total']['mean']:+.4g}" in html
+    grid = cv2.imread(str(out / "compare.png"))
+    assert grid is not None and grid.shape[0] > grid.shape[1]  # one row per prompt, two columns
+
+
+def test_script_evaluates_a_bare_lora_adapter(tiny_wan, prompts_file, tmp_path):
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    policy = load_policy(tiny_wan)
+    torch.manual_seed(0)
+    policy.transformer.add_adapter(LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False))
+    type(policy.pipeline).save_lora_weights(str(tmp_path / "adapter"), transformer_lora_layers=get_peft_model_state_dict(policy.transformer))
+    adapter = str(tmp_path / "adapter" / "pytorch_lora_weights.safetensors")
+
+    with pytest.raises(ValueError, match="--base_model"):
+        eval_genrl.main(eval_genrl.parse_args(_script_args(adapter, prompts_file, tmp_path / "x")))
+    eval_genrl.main(eval_genrl.parse_args(_script_args(adapter, prompts_file, tmp_path / "lora", "--base_model", tiny_wan)))
+    eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, tmp_path / "base")))
+    lora = json.loads((tmp_path / "lora" / "metrics.json").read_text())
+    base = json.loads((tmp_path / "base" / "metrics.json").read_text())
+    assert lora["per_prompt"] != base["per_prompt"]  # the adapter's weights were applied
