@@ -1,0 +1,247 @@
+"""HPSv3 human-preference score (Qwen2-VL-7B + a small rank head), on transformers >= 4.52.
+
+Model: Qwen2-VL with ``rm_head = Linear(hidden, 1024) - ReLU - Dropout - Linear(1024, 16) -
+ReLU - Linear(16, 2)`` in float32, read at the single reward special token of the prompt
+template; the two outputs are (mu, sigma) and the score is mu. The forward is the one HPSv3
+was trained with (`qwen2vl_compat.reward_hidden_states`: sequential positions, not M-RoPE).
+Images are scored at exactly 256 * 28 * 28 pixels.
+
+Sources (defaults in brackets; local paths work offline, Hub ids need the network or cache):
+
+- ``base_model``: a Qwen2-VL folder or repo for config, tokenizer and chat template
+  [``Qwen/Qwen2-VL-7B-Instruct``; only its json/tokenizer files are fetched];
+- ``checkpoint``: the reward weights, a ``.safetensors`` / ``.pth`` file, a sharded folder or
+  a repo id, in the old, new or PEFT key layout [``MizzenAI/HPSv3``, file ``HPSv3.safetensors``];
+- ``template_path``: the prompt template (json / text / the upstream prompt module); else a
+  ``prompt_template.*`` file beside the checkpoint; else the installed ``hpsv3`` package's
+  ``dataset/data_collator_qwen.py``, read as text (its ``INSTRUCTION`` +
+  ``prompt_with_special_token``). The template text is never copied into this repository.
+
+Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean of the best
+30 % of frames (images are one-frame videos). Both come from one forward pass.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from genrl.rewards import lifecycle
+from genrl.rewards.layouts import prepare_images_tensor
+from genrl.rewards.qwen2vl_compat import (
+    BASE_FOLDER_PATTERNS,
+    alias_embed_tokens,
+    build_qwen2vl_model,
+    embedding_rows,
+    load_base_parts,
+    load_checkpoint_state_dict,
+    load_state_dict_strict,
+    normalize_qwen2vl_state_dict,
+    resolve_dtype,
+    resolve_folder,
+    reward_hidden_states,
+    set_vocab_size,
+)
+from genrl.rewards.qwen2vl_preprocess import (
+    HPSV3_PIXELS,
+    PromptTemplate,
+    VisionSpec,
+    add_special_tokens,
+    build_reward_texts,
+    load_chat_template,
+    preprocess_clips,
+    resolve_prompt_template,
+    token_positions,
+    tokenize_right_padded,
+)
+
+DEFAULT_BASE_MODEL = "Qwen/Qwen2-VL-7B-Instruct"
+DEFAULT_CHECKPOINT_REPO = "MizzenAI/HPSv3"
+DEFAULT_CHECKPOINT_FILE = "HPSv3.safetensors"
+UPSTREAM_TEMPLATE = (("hpsv3", os.path.join("dataset", "data_collator_qwen.py")),)
+TEMPLATE_PARTS = ("INSTRUCTION", "prompt_with_special_token")
+HPSV3_NAMES = ("hpsv3", "hpsv3_top30")
+TOP_FRACTION = 0.3
+
+
+def build_rank_head(hidden_size: int, dropout: float = 0.05) -> nn.Sequential:
+    """HPSv3's head (keys ``rm_head.{0,3,5}.{weight,bias}``), float32: hidden -> 1024 -> 16 -> (mu, sigma)."""
+    return nn.Sequential(
+        nn.Linear(hidden_size, 1024, dtype=torch.float32),
+        nn.ReLU(),
+        nn.Dropout(dropout),
+        nn.Linear(1024, 16, dtype=torch.float32),
+        nn.ReLU(),
+        nn.Linear(16, 2, dtype=torch.float32),
+    )
+
+
+def top_fraction_mean(scores: torch.Tensor, fraction: float = TOP_FRACTION) -> torch.Tensor:
+    """``(N, F)`` -> ``(N,)``: mean of each row's k best values, k = max(1, ceil(fraction * F))."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must lie in (0, 1], got {fraction}.")
+    k = max(1, math.ceil(fraction * scores.shape[1]))
+    return scores.topk(k, dim=1).values.mean(dim=1)
+
+
+class HPSv3Scorer:
+    """A loaded HPSv3 model with its tokenizer and template. ``.device`` is where the model is;
+    ``.to(device)`` moves both (and the lifecycle cache key) together."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        chat_template: str,
+        template: PromptTemplate,
+        spec: VisionSpec,
+        device: Union[str, torch.device],
+        *,
+        batch_size: int = 8,
+        pixels: int = HPSV3_PIXELS,
+    ):
+        if len(template.special_tokens) != 1:
+            raise ValueError(
+                f"HPSv3 reads its score at one special token, but the template from {template.source} "
+                f"names {list(template.special_tokens)}."
+            )
+        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
+        self.template, self.spec = template, spec
+        self.device = torch.device(device)
+        self.batch_size, self.pixels = int(batch_size), int(pixels)
+        self.reward_token_id = add_special_tokens(tokenizer, template.special_tokens)[0]
+        vocab = model.get_input_embeddings().weight.shape[0]
+        if self.reward_token_id >= vocab:
+            raise ValueError(
+                f"Reward token {template.special_tokens[0]!r} has id {self.reward_token_id}, outside the "
+                f"checkpoint's vocabulary of {vocab}; the tokenizer does not match the checkpoint."
+            )
+        self.image_pad_token = tokenizer.convert_ids_to_tokens(model.config.image_token_id)
+
+    def to(self, device: Union[str, torch.device]) -> "HPSv3Scorer":
+        lifecycle.move(self, device)
+        return self
+
+    @torch.no_grad()
+    def score_images(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """uint8 ``(N, H, W, 3)`` images and N prompts -> float32 CPU ``(N, 2)``: (mu, sigma) per image."""
+        if len(images) != len(prompts):
+            raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
+        outputs = []
+        for start in range(0, len(images), self.batch_size):
+            chunk = images[start : start + self.batch_size]
+            chunk_prompts = prompts[start : start + self.batch_size]
+            vision = preprocess_clips(
+                chunk[:, None], self.spec, min_pixels=self.pixels, max_pixels=self.pixels, device=self.device
+            )
+            texts = build_reward_texts(
+                self.tokenizer, self.chat_template, self.template, chunk_prompts, "image",
+                self.image_pad_token, vision.num_tokens,
+            )
+            input_ids, attention_mask = tokenize_right_padded(
+                self.tokenizer, texts, forbidden_pad_ids=(self.model.config.image_token_id, self.reward_token_id)
+            )
+            positions = token_positions(input_ids, [self.reward_token_id])[:, 0]
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            hidden = reward_hidden_states(
+                self.model, input_ids, attention_mask,
+                pixel_values=vision.pixel_values, image_grid_thw=vision.grid_thw,
+            )
+            read_out = hidden[torch.arange(len(chunk), device=self.device), positions.to(self.device)]
+            outputs.append(self.model.rm_head(read_out.float()).cpu())
+        return torch.cat(outputs)
+
+    def score_frames(self, clips: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
+        """uint8 ``(N, F, H, W, 3)`` -> float32 CPU ``(N, F)``: mu of every frame, scored as an image."""
+        n, f = clips.shape[:2]
+        frame_prompts = [p for p in prompts for _ in range(f)]
+        return self.score_images(clips.reshape(n * f, *clips.shape[2:]), frame_prompts)[:, 0].reshape(n, f)
+
+
+def load_hpsv3_scorer(
+    checkpoint: Optional[str] = None,
+    base_model: Optional[str] = None,
+    *,
+    device: Union[str, torch.device] = "cpu",
+    dtype: Union[str, torch.dtype, None] = None,
+    template_path: Optional[str] = None,
+    on_meta: bool = True,
+    attn_implementation: Optional[str] = None,
+    batch_size: int = 8,
+    lora_alpha: Optional[float] = None,
+    pixels: int = HPSV3_PIXELS,
+) -> HPSv3Scorer:
+    """Load HPSv3 (sources and defaults in the module doc).
+
+    ``dtype`` defaults to bfloat16 on CUDA and float32 elsewhere (the head is always float32);
+    ``on_meta`` builds the 7B skeleton without allocating it (weights are then assigned
+    from the checkpoint); ``lora_alpha`` is only needed for a PEFT checkpoint with LoRA.
+    ``pixels`` is the per-image pixel budget HPSv3 was trained with; other values are for
+    experiments (and fast tests) only.
+    """
+    base_folder = resolve_folder(base_model or DEFAULT_BASE_MODEL, BASE_FOLDER_PATTERNS)
+    if checkpoint is None:
+        from huggingface_hub import hf_hub_download
+
+        checkpoint = hf_hub_download(DEFAULT_CHECKPOINT_REPO, DEFAULT_CHECKPOINT_FILE)
+    elif not os.path.exists(checkpoint):
+        checkpoint = resolve_folder(checkpoint)
+    checkpoint_folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
+    template = resolve_prompt_template(template_path, [checkpoint_folder], UPSTREAM_TEMPLATE, TEMPLATE_PARTS)
+
+    state_dict = normalize_qwen2vl_state_dict(load_checkpoint_state_dict(checkpoint), lora_alpha=lora_alpha)
+    config, tokenizer = load_base_parts(base_folder)
+    set_vocab_size(config, embedding_rows(state_dict))
+    model = build_qwen2vl_model(config, on_meta=on_meta, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
+    with torch.device("meta" if on_meta else "cpu"):
+        model.rm_head = build_rank_head(model.config.get_text_config().hidden_size)
+    model.rm_head.eval().requires_grad_(False)
+    load_state_dict_strict(model, state_dict)
+    del state_dict
+    alias_embed_tokens(model)
+    model.to(device)
+    return HPSv3Scorer(
+        model, tokenizer, load_chat_template(tokenizer, base_folder), template,
+        VisionSpec.from_folder(base_folder), device, batch_size=batch_size, pixels=pixels,
+    )
+
+
+def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "cpu", **options: Any):
+    """Registry factory for ``hpsv3`` / ``hpsv3_top30``; ``options`` go to :func:`load_hpsv3_scorer`.
+
+    The callable ``fn(samples, prompts, metadata=None)`` returns ``{"hpsv3": (N,), "hpsv3_top30": (N,)}``
+    (float32, CPU) from one forward pass; the registry reads the name it was asked for. The
+    model is shared through `lifecycle` by every name and option set loading the same weights.
+    """
+    if name not in HPSV3_NAMES:
+        raise ValueError(f"Unknown HPSv3 reward {name!r}; expected one of {HPSV3_NAMES}.")
+    unknown = set(options) - {"checkpoint", "base_model", "dtype", "template_path", "on_meta", "attn_implementation", "batch_size", "lora_alpha", "pixels"}
+    if unknown:
+        raise ValueError(f"Unknown HPSv3 options {sorted(unknown)}.")
+    key = _cache_key(options, device)
+
+    def build(dev: torch.device) -> HPSv3Scorer:
+        return load_hpsv3_scorer(device=dev, **options)
+
+    scorer = lifecycle.get_reward_model("hpsv3", key, device, build)
+
+    def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
+        nonlocal scorer
+        if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
+            scorer = lifecycle.get_reward_model("hpsv3", key, device, build)
+        clips = prepare_images_tensor(samples)
+        frame_scores = scorer.score_frames(clips, list(prompts))
+        return {"hpsv3": frame_scores.mean(dim=1), "hpsv3_top30": top_fraction_mean(frame_scores)}
+
+    return reward
+
+
+def _cache_key(options: Mapping[str, Any], device) -> str:
+    """What makes two loads the same model: weights, base, dtype, template (not the batch size)."""
+    fields = ("checkpoint", "base_model", "template_path", "attn_implementation", "lora_alpha", "pixels")
+    dtype = resolve_dtype(options.get("dtype"), device)
+    return "|".join(f"{f}={options.get(f)}" for f in fields) + f"|dtype={dtype}"
