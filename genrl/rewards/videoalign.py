@@ -1,0 +1,377 @@
+"""VideoAlign / VideoReward (Qwen2-VL-2B + a linear reward head), on transformers >= 4.52.
+
+Model: Qwen2-VL with ``rm_head = Linear(hidden, 1, bias=False)`` read at the three special
+tokens of the prompt template, in the order they appear: visual quality (VQ), motion quality
+(MQ), text alignment (TA). The template puts the prompt after the VQ and MQ tokens, so with
+causal attention only TA depends on the prompt. The forward is the one VideoAlign was trained
+with (`qwen2vl_compat.reward_hidden_states`). Scores are normalised per dimension,
+``(r - mean) / std``, and ``Overall = VQ + MQ + TA`` (normalised).
+
+Sources (defaults in brackets):
+
+- ``checkpoint``: the VideoReward folder or repo id [``KwaiVGI/VideoReward``], holding
+  ``model_config.json`` and ``checkpoint-<step>/model.pth`` (a PEFT state dict: LoRA r64 /
+  alpha 128 on every LLM linear, merged here as ``W + alpha / r * B A``; the latest step unless
+  ``checkpoint_step`` is given). A weights file or a plain folder also works, in the old,
+  new or PEFT layout.
+- ``base_model``: config, tokenizer and chat template [``model_config.model_name_or_path``,
+  else ``Qwen/Qwen2-VL-2B-Instruct``; only json/tokenizer files are fetched].
+- ``template_path``: the prompt template (json / text / VideoAlign's ``prompt_template.py``);
+  else a ``prompt_template.*`` file in the checkpoint folder; else an importable
+  ``prompt_template`` module (the VideoAlign repository on ``sys.path``), read as text.
+  For ``.py`` sources the constant is chosen by ``data_config.prompt_template_type``
+  (only ``detailed_special``, the one with reward tokens, can be read out).
+
+Keys read from ``model_config.json`` (all optional):
+
+- ``data_config``: ``fps`` (frames sampled per second, 2.0), ``num_frames`` (a fixed count
+  instead), ``max_frame_pixels`` (256 * 28 * 28), ``sample_type`` (``uniform`` / ``multi_pts``),
+  ``prompt_template_type``;
+- ``model_config``: ``model_name_or_path``, ``output_dim`` (1; 3 = one output per dimension,
+  read on the diagonal);
+- ``peft_lora_config``: ``lora_alpha``, ``lora_r``, ``use_rslora`` (scale alpha / sqrt(r));
+- normalisation: ``inference_config.{VQ,MQ,TA}_{mean,std}``, or the same six keys at the top
+  level. Without them the raw scores are returned (as VideoAlign does), with a warning.
+
+Frame rate of the scored videos: ``metadata[i]["fps"]`` when present, else the ``video_fps``
+option (default 16, Wan's rate). Frames are chosen by
+`genrl.rewards.frame_selection.select_frame_indices` and resized to between 128 * 28 * 28 and
+``max_frame_pixels`` pixels.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from genrl.rewards import lifecycle
+from genrl.rewards.frame_selection import select_frame_indices
+from genrl.rewards.layouts import prepare_images_tensor
+from genrl.rewards.qwen2vl_compat import (
+    BASE_FOLDER_PATTERNS,
+    alias_embed_tokens,
+    build_qwen2vl_model,
+    embedding_rows,
+    load_base_parts,
+    load_checkpoint_state_dict,
+    load_state_dict_strict,
+    normalize_qwen2vl_state_dict,
+    resolve_dtype,
+    resolve_folder,
+    reward_hidden_states,
+    set_vocab_size,
+)
+from genrl.rewards.qwen2vl_preprocess import (
+    VIDEO_MAX_PIXELS,
+    VIDEO_MIN_PIXELS,
+    PromptTemplate,
+    VisionSpec,
+    add_special_tokens,
+    build_reward_texts,
+    load_chat_template,
+    preprocess_clips,
+    resolve_prompt_template,
+    token_positions,
+    tokenize_right_padded,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHECKPOINT_REPO = "KwaiVGI/VideoReward"
+DEFAULT_BASE_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
+UPSTREAM_TEMPLATE = (("prompt_template", "prompt_template.py"),)
+TEMPLATE_CONSTANTS = {"detailed_special": ("DETAILED_PROMPT_WITH_SPECIAL_TOKEN",)}
+DIMENSIONS = ("VQ", "MQ", "TA")
+VIDEOALIGN_NAMES = {"videoalign_vq": "VQ", "videoalign_mq": "MQ", "videoalign_ta": "TA", "videoalign_overall": "Overall"}
+DEFAULT_VIDEO_FPS = 16.0
+
+
+@dataclass
+class VideoAlignConfig:
+    """What the scorer reads from ``model_config.json`` (defaults = VideoReward's)."""
+
+    sample_fps: float = 2.0
+    num_frames: Optional[int] = None
+    max_frame_pixels: int = VIDEO_MAX_PIXELS
+    sample_type: str = "uniform"
+    prompt_template_type: str = "detailed_special"
+    base_model: Optional[str] = None
+    output_dim: int = 1
+    lora_alpha: Optional[float] = None
+    lora_r: Optional[int] = None
+    use_rslora: bool = False
+    norm: Optional[dict[str, tuple[float, float]]] = None  # dimension -> (mean, std)
+
+
+def read_videoalign_config(folder: Optional[str]) -> VideoAlignConfig:
+    """Parse ``folder/model_config.json`` (keys in the module doc); defaults when absent."""
+    path = os.path.join(folder, "model_config.json") if folder else None
+    if not path or not os.path.isfile(path):
+        return VideoAlignConfig()
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    data, model, lora = raw.get("data_config") or {}, raw.get("model_config") or {}, raw.get("peft_lora_config") or {}
+    stats = raw.get("inference_config") or raw
+    norm = None
+    if all(f"{d}_{s}" in stats for d in DIMENSIONS for s in ("mean", "std")):
+        norm = {d: (float(stats[f"{d}_mean"]), float(stats[f"{d}_std"])) for d in DIMENSIONS}
+        bad = [d for d, (_, std) in norm.items() if not std > 0]
+        if bad:
+            raise ValueError(f"{path}: normalisation std of {bad} must be positive.")
+    default = VideoAlignConfig()
+    return VideoAlignConfig(
+        sample_fps=float(data.get("fps") or default.sample_fps),
+        num_frames=data.get("num_frames"),
+        max_frame_pixels=int(data.get("max_frame_pixels") or default.max_frame_pixels),
+        sample_type=data.get("sample_type") or default.sample_type,
+        prompt_template_type=data.get("prompt_template_type") or default.prompt_template_type,
+        base_model=model.get("model_name_or_path"),
+        output_dim=int(model.get("output_dim") or default.output_dim),
+        lora_alpha=lora.get("lora_alpha"),
+        lora_r=lora.get("lora_r"),
+        use_rslora=bool(lora.get("use_rslora", False)),
+        norm=norm,
+    )
+
+
+def find_checkpoint(path: str, step: Optional[int] = None) -> tuple[str, str]:
+    """``(weights, config folder)``: ``checkpoint-<step>/model.pth`` under a VideoReward folder
+    (the highest step unless ``step`` is given), else the folder or file itself."""
+    if os.path.isfile(path):
+        parent = os.path.dirname(os.path.abspath(path))
+        root = parent if os.path.isfile(os.path.join(parent, "model_config.json")) else os.path.dirname(parent)
+        return path, root
+    steps = {}
+    for candidate in glob.glob(os.path.join(path, "checkpoint-*")):
+        match = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(candidate))
+        if match and os.path.isdir(candidate):
+            steps[int(match.group(1))] = candidate
+    if step is not None:
+        if step not in steps:
+            raise FileNotFoundError(f"No checkpoint-{step} in {path!r}; found steps {sorted(steps)}.")
+        return steps[step], path
+    if steps:
+        return steps[max(steps)], path
+    return path, path
+
+
+def normalize_scores(raw: torch.Tensor, norm: Optional[Mapping[str, tuple[float, float]]]) -> torch.Tensor:
+    """``(N, 3)`` raw (VQ, MQ, TA) -> ``(r - mean_d) / std_d`` per dimension d (unchanged without stats)."""
+    if norm is None:
+        return raw
+    mean = torch.tensor([norm[d][0] for d in DIMENSIONS], dtype=raw.dtype)
+    std = torch.tensor([norm[d][1] for d in DIMENSIONS], dtype=raw.dtype)
+    return (raw - mean) / std
+
+
+class VideoAlignScorer:
+    """A loaded VideoAlign model with its tokenizer, template and config. ``.device`` is where
+    the model is; ``.to(device)`` moves both (and the lifecycle cache key) together."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        tokenizer,
+        chat_template: str,
+        template: PromptTemplate,
+        spec: VisionSpec,
+        config: VideoAlignConfig,
+        device: Union[str, torch.device],
+        *,
+        batch_size: int = 2,
+        min_pixels: int = VIDEO_MIN_PIXELS,
+        max_pixels: Optional[int] = None,
+        video_fps: float = DEFAULT_VIDEO_FPS,
+    ):
+        if len(template.special_tokens) != 3:
+            raise ValueError(
+                f"VideoAlign reads VQ, MQ and TA at three special tokens, but the template from "
+                f"{template.source} names {list(template.special_tokens)}."
+            )
+        if config.output_dim not in (1, 3):
+            raise ValueError(f"VideoAlign output_dim must be 1 or 3, got {config.output_dim}.")
+        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
+        self.template, self.spec, self.config = template, spec, config
+        self.device = torch.device(device)
+        self.batch_size, self.video_fps = int(batch_size), float(video_fps)
+        self.min_pixels = int(min_pixels)
+        self.max_pixels = int(max_pixels if max_pixels is not None else config.max_frame_pixels)
+        self.reward_token_ids = add_special_tokens(tokenizer, template.special_tokens)
+        vocab = model.get_input_embeddings().weight.shape[0]
+        if max(self.reward_token_ids) >= vocab:
+            raise ValueError(
+                f"Reward tokens {list(template.special_tokens)} have ids {self.reward_token_ids}, outside the "
+                f"checkpoint's vocabulary of {vocab}; the tokenizer does not match the checkpoint."
+            )
+        self.video_pad_token = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
+
+    def to(self, device: Union[str, torch.device]) -> "VideoAlignScorer":
+        lifecycle.move(self, device)
+        return self
+
+    def select_frames(self, clip: torch.Tensor, fps: float) -> torch.Tensor:
+        """``(F, H, W, 3)`` -> the frames VideoAlign samples (``sample_type``, ``fps``, ``num_frames``)."""
+        indices = select_frame_indices(
+            clip.shape[0], fps, self.config.sample_type, sample_fps=self.config.sample_fps, num_frames=self.config.num_frames
+        )
+        return clip[torch.as_tensor(indices, dtype=torch.long)]
+
+    @torch.no_grad()
+    def score_clips(self, clips: Sequence[torch.Tensor], prompts: Sequence[str]) -> torch.Tensor:
+        """Already-selected frames, uint8 ``(F_i, H, W, 3)`` per sample -> raw float32 CPU ``(N, 3)`` (VQ, MQ, TA)."""
+        if len(clips) != len(prompts):
+            raise ValueError(f"Got {len(clips)} videos for {len(prompts)} prompts.")
+        outputs = []
+        for start in range(0, len(clips), self.batch_size):
+            chunk, chunk_prompts = clips[start : start + self.batch_size], prompts[start : start + self.batch_size]
+            vision = preprocess_clips(chunk, self.spec, min_pixels=self.min_pixels, max_pixels=self.max_pixels, device=self.device)
+            texts = build_reward_texts(
+                self.tokenizer, self.chat_template, self.template, chunk_prompts, "video",
+                self.video_pad_token, vision.num_tokens,
+            )
+            input_ids, attention_mask = tokenize_right_padded(
+                self.tokenizer, texts, forbidden_pad_ids=(self.model.config.video_token_id, *self.reward_token_ids)
+            )
+            positions = token_positions(input_ids, self.reward_token_ids).to(self.device)  # (B, 3)
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            hidden = reward_hidden_states(
+                self.model, input_ids, attention_mask,
+                pixel_values_videos=vision.pixel_values, video_grid_thw=vision.grid_thw,
+            )
+            read_out = hidden[torch.arange(len(chunk), device=self.device)[:, None], positions]  # (B, 3, hidden)
+            logits = self.model.rm_head(read_out.float())  # float32 head: (B, 3, output_dim)
+            scores = logits[..., 0] if self.config.output_dim == 1 else logits.diagonal(dim1=1, dim2=2)
+            outputs.append(scores.cpu())
+        return torch.cat(outputs)
+
+    def rewards(
+        self, clips: torch.Tensor, prompts: Sequence[str], fps: Sequence[float], *, use_norm: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """uint8 ``(N, F, H, W, 3)`` videos -> ``{"VQ", "MQ", "TA", "Overall"}`` each ``(N,)``.
+
+        Overall = VQ + MQ + TA, after per-dimension normalisation when ``use_norm``.
+        """
+        selected = [self.select_frames(clip, rate) for clip, rate in zip(clips, fps)]
+        scores = self.score_clips(selected, prompts)
+        if use_norm:
+            scores = normalize_scores(scores, self.config.norm)
+        out = {d: scores[:, i] for i, d in enumerate(DIMENSIONS)}
+        out["Overall"] = scores.sum(dim=1)
+        return out
+
+
+def load_videoalign_scorer(
+    checkpoint: Optional[str] = None,
+    base_model: Optional[str] = None,
+    *,
+    device: Union[str, torch.device] = "cpu",
+    dtype: Union[str, torch.dtype, None] = None,
+    template_path: Optional[str] = None,
+    checkpoint_step: Optional[int] = None,
+    on_meta: bool = True,
+    attn_implementation: Optional[str] = None,
+    batch_size: int = 2,
+    video_fps: float = DEFAULT_VIDEO_FPS,
+    lora_alpha: Optional[float] = None,
+    min_pixels: int = VIDEO_MIN_PIXELS,
+    max_pixels: Optional[int] = None,
+) -> VideoAlignScorer:
+    """Load VideoAlign (sources, config keys and defaults in the module doc).
+
+    ``lora_alpha`` overrides ``peft_lora_config.lora_alpha``; ``min_pixels``/``max_pixels``
+    override the frame pixel bounds (for experiments and fast tests; the model was trained
+    with the defaults).
+    """
+    if checkpoint is None:
+        checkpoint = DEFAULT_CHECKPOINT_REPO
+    if not os.path.exists(checkpoint):
+        checkpoint = resolve_folder(checkpoint)
+    weights, root = find_checkpoint(checkpoint, checkpoint_step)
+    config = read_videoalign_config(root)
+    base_folder = resolve_folder(base_model or config.base_model or DEFAULT_BASE_MODEL, BASE_FOLDER_PATTERNS)
+    parts = TEMPLATE_CONSTANTS.get(config.prompt_template_type)
+    if parts is None and template_path is None:
+        raise ValueError(
+            f"prompt_template_type {config.prompt_template_type!r} has no reward tokens to read; "
+            f"supported: {sorted(TEMPLATE_CONSTANTS)} (or pass template_path=)."
+        )
+    folders = [root] + ([weights] if os.path.isdir(weights) else [os.path.dirname(weights)])
+    template = resolve_prompt_template(template_path, folders, UPSTREAM_TEMPLATE, parts or ())
+
+    alpha = lora_alpha if lora_alpha is not None else config.lora_alpha
+    if alpha is not None and config.use_rslora and config.lora_r:
+        alpha = alpha * math.sqrt(config.lora_r)  # rsLoRA scales by alpha / sqrt(r) = (alpha sqrt(r)) / r
+    state_dict = normalize_qwen2vl_state_dict(load_checkpoint_state_dict(weights), lora_alpha=alpha, lora_r=config.lora_r)
+    qwen_config, tokenizer = load_base_parts(base_folder)
+    set_vocab_size(qwen_config, embedding_rows(state_dict))
+    model = build_qwen2vl_model(qwen_config, on_meta=on_meta, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
+    with torch.device("meta" if on_meta else "cpu"):
+        # Kept in float32 whatever the model dtype (VideoAlign ran it in bf16; float32 loses nothing).
+        model.rm_head = nn.Linear(model.config.get_text_config().hidden_size, config.output_dim, bias=False, dtype=torch.float32)
+    load_state_dict_strict(model, state_dict)
+    del state_dict
+    model.rm_head.eval().requires_grad_(False)
+    alias_embed_tokens(model)
+    model.to(device)
+    if config.norm is None:
+        logger.warning("VideoAlign: no normalisation statistics in %s/model_config.json; scores are raw.", root)
+    return VideoAlignScorer(
+        model, tokenizer, load_chat_template(tokenizer, base_folder), template, VisionSpec.from_folder(base_folder),
+        config, device, batch_size=batch_size, min_pixels=min_pixels, max_pixels=max_pixels, video_fps=video_fps,
+    )
+
+
+_OPTIONS = {
+    "checkpoint", "base_model", "dtype", "template_path", "checkpoint_step", "on_meta", "attn_implementation",
+    "batch_size", "video_fps", "lora_alpha", "min_pixels", "max_pixels", "use_norm",
+}
+
+
+def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str, torch.device] = "cpu", **options: Any):
+    """Registry factory for ``videoalign_vq`` / ``_mq`` / ``_ta`` / ``_overall``; options go to
+    :func:`load_videoalign_scorer` (plus ``use_norm``, default True).
+
+    The callable ``fn(samples, prompts, metadata=None)`` returns all four names, each ``(N,)``
+    float32 on the CPU, from one forward pass; the registry reads the name it was asked for,
+    and every name shares one model through `lifecycle`.
+    """
+    if name not in VIDEOALIGN_NAMES:
+        raise ValueError(f"Unknown VideoAlign reward {name!r}; expected one of {sorted(VIDEOALIGN_NAMES)}.")
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"Unknown VideoAlign options {sorted(unknown)}; accepted: {sorted(_OPTIONS)}.")
+    use_norm = bool(options.pop("use_norm", True))
+    key = _cache_key(options, device)
+
+    def build(dev: torch.device) -> VideoAlignScorer:
+        return load_videoalign_scorer(device=dev, **options)
+
+    scorer = lifecycle.get_reward_model("videoalign", key, device, build)
+
+    def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
+        nonlocal scorer
+        if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
+            scorer = lifecycle.get_reward_model("videoalign", key, device, build)
+        clips = prepare_images_tensor(samples)
+        fps = [float((m or {}).get("fps") or scorer.video_fps) for m in (metadata or [None] * len(clips))]
+        scores = scorer.rewards(clips, list(prompts), fps, use_norm=use_norm)
+        return {registry_name: scores[dim] for registry_name, dim in VIDEOALIGN_NAMES.items()}
+
+    return reward
+
+
+def _cache_key(options: Mapping[str, Any], device) -> str:
+    """What makes two loads the same model: weights, base, step, dtype, template, pixel bounds."""
+    fields = ("checkpoint", "base_model", "checkpoint_step", "template_path", "attn_implementation", "lora_alpha",
+              "min_pixels", "max_pixels", "video_fps", "batch_size")
+    dtype = resolve_dtype(options.get("dtype"), device)
+    return "|".join(f"{f}={options.get(f)}" for f in fields) + f"|dtype={dtype}"
