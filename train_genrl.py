@@ -227,6 +227,15 @@ def main(args):
     from genrl.sde import kl_between_means
     from genrl.seeding import mix_seeds
 
+    # ---- Data (before anything heavy: an empty or missing prompt set fails in a second) ------
+    try:
+        train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
+        eval_set = None
+        if args.eval_prompt_dataset:
+            eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"train_genrl.py: error: {e}")
+
     # ---- Accelerator -------------------------------------------------------------------
     n_train_steps = max(1, int(num_stochastic_steps(args) * args.timestep_fraction + 1e-6))
     accelerator = build_accelerator(
@@ -251,11 +260,6 @@ def main(args):
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
 
-    # ---- Data ----------------------------------------------------------------------------
-    train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
-    eval_set = None
-    if args.eval_prompt_dataset:
-        eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
     sampler = PromptGroupSampler(
         num_prompts=len(train_set),
         group_size=args.group_size,

@@ -13,7 +13,6 @@ from typing import Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.state import AcceleratorState
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 
@@ -26,10 +25,14 @@ def build_accelerator(
     log_with: str | list[str] | None = None,
 ) -> Accelerator:
     """An Accelerator that uses gloo when there is no CUDA (DeepSpeed included)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
+    cpu_only = launched and not torch.cuda.is_available()
     # A single plain process has no process group: a backend there would make Accelerate ask for one.
-    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if launched and not torch.cuda.is_available() else []
+    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_only else []
     return Accelerator(
+        # Without CUDA, a multi_gpu (DDP) config becomes DDP over gloo on CPU; DeepSpeed keeps its own type.
+        cpu=cpu_only and not deepspeed,
         gradient_accumulation_steps=gradient_accumulation_steps,
         mixed_precision=mixed_precision,
         log_with=None if log_with in (None, "none", ["none"]) else log_with,
@@ -59,12 +62,22 @@ def zero_stage(accelerator: Accelerator) -> int:
 
 @contextlib.contextmanager
 def zero_init_disabled() -> Iterator[None]:
-    """Build frozen models (text encoders, VAE, reward models) outside ZeRO-3's ``zero.Init``:
-    with a ZeRO-3 config active, ``from_pretrained`` would otherwise partition them across
-    ranks, and a frozen model that is sharded is slow or hangs when ranks call it unevenly."""
-    plugin = AcceleratorState().deepspeed_plugin if AcceleratorState._shared_state else None
-    with plugin.zero3_init_context_manager(enable=False) if plugin is not None else contextlib.nullcontext():
+    """Build frozen models (text encoders, VAE, reward models) outside ZeRO-3's ``zero.Init``.
+
+    With a ZeRO-3 config active, Accelerate registers its DeepSpeed config with transformers
+    (even with ``zero3_init_flag: false``), and every ``from_pretrained`` then partitions the
+    model across ranks: a frozen model sharded that way is slow, or hangs when ranks call it
+    unevenly. transformers reads the weak reference below through
+    ``is_deepspeed_zero3_enabled()``; it is cleared for the block and restored after.
+    """
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    saved = hf_deepspeed._hf_deepspeed_config_weak_ref
+    hf_deepspeed._hf_deepspeed_config_weak_ref = None
+    try:
         yield
+    finally:
+        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -10,3 +10,63 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+import signal
+import socket
+import subprocess
+
+import pytest
+
+PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def script_env() -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def launch_command(script: str, args: list[str], config: str | None = None, num_processes: int = 1) -> list[str]:
+    """`accelerate launch` with a shipped config (or plain python when config is None)."""
+    path = os.path.join(ROOT, script)
+    if config is None:
+        return [sys.executable, path, *args]
+    return [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"),
+        "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+        path, *args,
+    ]
+
+
+def run_script(script: str, args: list[str], config: str | None = None, num_processes: int = 1, timeout: int = 600):
+    """Run a top-level script to completion; fail the test with its output if it fails."""
+    proc = subprocess.run(
+        launch_command(script, args, config, num_processes), cwd=ROOT, env=script_env(),
+        capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode != 0:
+        pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return proc
+
+
+@pytest.fixture(scope="session")
+def tiny_sd3(tmp_path_factory) -> str:
+    """A tiny random SD3 pipeline saved to disk, loaded by the scripts through from_pretrained."""
+    from genrl.tiny_pipelines import save_tiny_pipeline
+
+    return save_tiny_pipeline("sd3", str(tmp_path_factory.mktemp("models") / "tiny-sd3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def prompt_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
+    path.write_text("\n".join(PROMPTS) + "\n")
+    return str(path)

@@ -1,0 +1,102 @@
+"""train_genrl.py in one process: LoRA and full fine-tuning, EMA export, argument errors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, run_script
+
+import train_genrl
+
+
+def base_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[str]:
+    return [
+        "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", "jpeg_compressibility",
+        "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "2",
+        "--train_batch_size", "4", "--num_inference_steps", "4", "--num_epochs", "2", "--report_to", "none",
+        "--learning_rate", "1e-2", *extra,
+    ]
+
+
+def metrics(output_dir: str) -> list[dict]:
+    return [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
+
+
+def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_path):
+    from genrl.checkpointing import load_trained_policy
+
+    out = str(tmp_path / "lora")
+    run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4", "--lora_alpha", "4",
+                                           "--beta", "0.1", "--lora_target_modules", "to_q,to_v"))
+    lora = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    assert lora and all("lora" in k for k in lora)
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items()), "LoRA B stayed zero: nothing trained"
+    assert not os.path.exists(os.path.join(out, "transformer")), "LoRA runs export the adapter, not the transformer"
+    logged = metrics(out)
+    assert len(logged) == 2 and all("reward/jpeg_compressibility_mean" in l for l in logged)
+    assert logged[-1]["train/kl"] > 0, "after an update the adapter-free reference must differ"
+
+    trained = load_trained_policy(out)
+    base = load_trained_policy(tiny_sd3)
+    diffs = [(p - q).abs().max().item() for p, q in zip(trained.transformer.parameters(), base.transformer.parameters())]
+    assert max(diffs) > 0, "the exported adapter did not change the loaded transformer"
+
+
+def test_full_finetuning_with_ema_exports_both_weights(tiny_sd3, prompt_file, tmp_path):
+    from genrl.checkpointing import load_trained_policy
+
+    out = str(tmp_path / "full")
+    run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_ema", "--ema_decay", "0.5",
+                                           "--ema_update_interval", "2", "--checkpointing_steps", "2"))
+    trained = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+    ema = load_file(os.path.join(out, "transformer_ema", "diffusion_pytorch_model.safetensors"))
+    base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
+    key = "norm_out.linear.weight"
+    assert not torch.equal(trained[key], base[key])
+    # 2 optimizer steps per epoch, interval 2: the shadow was updated once per epoch, so it
+    # lies strictly between the base and the trained weights.
+    assert not torch.equal(ema[key], trained[key]) and not torch.equal(ema[key], base[key])
+    assert json.load(open(os.path.join(out, "genrl_config.json")))["has_ema"] is True
+    assert os.path.isfile(os.path.join(out, "checkpoint-4", "ema", "rank0.pt"))
+    policy = load_trained_policy(os.path.join(out, "checkpoint-4"), use_ema=True)
+    loaded = dict(policy.transformer.named_parameters())[key]
+    torch.testing.assert_close(loaded, ema[key])
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--group_size", "3"], "group"),
+        (["--reward_fn", "no_such_reward"], "jpeg_compressibility"),
+        (["--pretrained_model_name_or_path", "/no/such/model"], "/no/such/model"),
+        (["--sde_window_size", "9"], "sde_window_size"),
+    ],
+)
+def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_file, tmp_path, capsys, extra, message):
+    args = base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.parse_args(args)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("train_genrl.py: error:") or "error:" in error
+    assert message in error
+
+
+def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import script_env
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    args = base_args("/model/is/never/loaded", str(empty), str(tmp_path / "out"))
+    args[1] = tiny_sd3
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *args], env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("train_genrl.py: error:") and "empty" in last, proc.stderr[-2000:]
