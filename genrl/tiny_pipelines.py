@@ -55,7 +55,7 @@ TINY_SAMPLING_DEFAULTS = {
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
 # pools at the eos token (CLIP treats eos_token_id == 2 as a legacy special case).
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>", "<bos>")
-TINY_VOCAB = SPECIAL_TOKENS + tuple(
+TINY_VOCAB = tuple(dict.fromkeys(SPECIAL_TOKENS + tuple(
     """
     a an the of in on at with and or under over near by from to for its their
     , . ! ? - '
@@ -67,13 +67,15 @@ TINY_VOCAB = SPECIAL_TOKENS + tuple(
     apple banana orange cake cup bowl bottle chair table bed book lamp clock vase
     flower tree forest mountain river lake sea ocean beach sky cloud clouds sun moon star
     stars snow rain city street house building bridge road field garden desert
-    circle triangle square cube sphere ball box
+    circle triangle square cube sphere ball box circles triangles squares cubes spheres balls boxes
+    cats dogs birds fish horses trees flowers cars houses
+    left right above below behind front next top bottom middle center inside outside
     photo picture painting drawing video scene view portrait landscape close-up
     sitting standing running walking flying swimming jumping playing dancing
     morning evening night sunset sunrise day
     is are
     """.split()
-)
+)))  # deduplicated, order kept: a token's id is its position
 
 TINY_MAX_LENGTH = 16  # tokens per prompt, including bos/eos
 
@@ -83,7 +85,7 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
 
     ``add_bos``: CLIP-style ``<bos> words <eos>``; otherwise T5-style ``words <eos>``.
     """
-    vocab = {token: i for i, token in enumerate(dict.fromkeys(TINY_VOCAB))}
+    vocab = {token: i for i, token in enumerate(TINY_VOCAB)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.normalizer = normalizers.Lowercase()
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
@@ -101,13 +103,9 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     )
 
 
-def _vocab_size() -> int:
-    return len(dict.fromkeys(TINY_VOCAB))
-
-
 def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
     return CLIPTextConfig(
-        vocab_size=_vocab_size(),
+        vocab_size=len(TINY_VOCAB),
         hidden_size=hidden_size,
         intermediate_size=2 * hidden_size,
         projection_dim=projection_dim,
@@ -123,7 +121,7 @@ def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
 def _t5_encoder() -> T5EncoderModel:
     """T5 v1.1-style encoder (gated-gelu), d_model 32: SD3's third and FLUX's second text encoder."""
     config = T5Config(
-        vocab_size=_vocab_size(),
+        vocab_size=len(TINY_VOCAB),
         d_model=32,
         d_kv=8,
         d_ff=32,
@@ -162,7 +160,7 @@ def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float)
 def _build_wan() -> WanPipeline:
     z_dim = 4
     vae = AutoencoderKLWan(
-        base_dim=8,
+        base_dim=4,
         z_dim=z_dim,
         dim_mult=[1, 1, 1, 1],  # 8x spatial, 4x temporal compression, like the full model
         num_res_blocks=1,
@@ -172,7 +170,7 @@ def _build_wan() -> WanPipeline:
         latents_std=[2.8, 1.45, 2.3, 2.65],
     )
     text_config = UMT5Config(
-        vocab_size=_vocab_size(),
+        vocab_size=len(TINY_VOCAB),
         d_model=32,
         d_kv=8,
         d_ff=32,

@@ -1,0 +1,207 @@
+"""Family adapters on tiny real diffusers pipelines: loading, encoding, latents, velocity, decoding,
+and sampling parity with the pipelines' own ``__call__``."""
+
+import json
+
+import pytest
+import torch
+from diffusers import DiffusionPipeline, FluxPipeline
+
+from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy
+from genrl.rollout import SamplingConfig, sample_rollout
+from genrl.seeding import latent_generator
+from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, save_tiny_pipeline
+
+torch.set_num_threads(2)
+
+ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy}
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: save_tiny_pipeline(family, root / family, seed=0) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def policies(tiny_dirs):
+    return {family: load_policy(path).to("cpu") for family, path in tiny_dirs.items()}
+
+
+def _generators(n, seed=0):
+    return [torch.Generator().manual_seed(seed + i) for i in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_save_and_load_round_trip(family, tiny_dirs, policies):
+    path = tiny_dirs[family]
+    pipeline = DiffusionPipeline.from_pretrained(path)  # plain diffusers loading works offline
+    assert type(pipeline).__name__ == {v: k for k, v in POLICIES.items()}[ADAPTERS[family]]
+
+    policy = policies[family]
+    assert type(policy) is ADAPTERS[family] and policy.family == family
+    assert policy.is_video == (family == "wan")
+    defaults = TINY_SAMPLING_DEFAULTS[family]
+    assert (policy.default_height, policy.default_width) == (defaults["height"], defaults["width"])
+    assert policy.default_num_frames == defaults["num_frames"]
+    assert policy.transformer is policy.pipeline.transformer
+
+    built = build_tiny_pipeline(family, seed=0).transformer.state_dict()
+    loaded = policy.transformer.state_dict()
+    assert built.keys() == loaded.keys()
+    assert all(torch.equal(built[k], loaded[k]) for k in built)
+
+
+def test_tiny_pipelines_are_deterministic_per_seed():
+    a, b, c = (build_tiny_pipeline("sd3", seed=s).transformer.state_dict() for s in (0, 0, 1))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], c[k]) for k in a if a[k].is_floating_point())
+    state = torch.random.get_rng_state()
+    build_tiny_pipeline("flux", seed=3)
+    assert torch.equal(state, torch.random.get_rng_state())  # the global RNG is left alone
+    with pytest.raises(ValueError, match="'sdxl'"):
+        build_tiny_pipeline("sdxl")
+
+
+def test_load_policy_dtypes(tiny_dirs):
+    policy = load_policy(tiny_dirs["sd3"], dtype=torch.bfloat16)
+    assert policy.transformer.dtype == torch.float32  # the trainer casts/prepares it
+    for name, module in policy.frozen_modules().items():
+        assert next(module.parameters()).dtype == torch.bfloat16, name
+    assert set(policy.frozen_modules()) == {"vae", "text_encoder", "text_encoder_2", "text_encoder_3"}
+
+
+def test_load_policy_errors(tmp_path):
+    with pytest.raises(ValueError, match="neither a local pipeline folder nor a Hub model id"):
+        load_policy(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="neither a local pipeline folder nor a Hub model id"):
+        load_policy("genrl-test/not-a-model")  # tests run with HF_HUB_OFFLINE=1
+    with pytest.raises(ValueError, match="has no model_index.json"):
+        load_policy(str(tmp_path))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
+    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
+        load_policy(str(tmp_path))
+
+
+def test_to_moves_and_freezes_only_the_frozen_parts(tiny_dirs):
+    policy = load_policy(tiny_dirs["flux"])
+    policy.to("cpu", torch.bfloat16)
+    for module in policy.frozen_modules().values():
+        assert not module.training
+        assert all(not p.requires_grad and p.dtype == torch.bfloat16 for p in module.parameters())
+    assert policy.transformer.dtype == torch.float32
+    assert all(p.requires_grad for p in policy.transformer.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_encode_prompts_is_batch_first_with_negatives_for_true_cfg(family, policies):
+    policy = policies[family]
+    prompts = ["a red circle", "two blue squares left of a tree"]
+    with_cfg = policy.encode_prompts(prompts, "cpu", guidance_scale=4.0, negative_prompt="dark")
+    without = policy.encode_prompts(prompts, "cpu", guidance_scale=1.0)
+    has_negatives = any(k.startswith("negative_") for k in with_cfg)
+    assert has_negatives == (family != "flux")
+    assert not any(k.startswith("negative_") for k in without)
+    assert all(v.shape[0] == 2 for v in with_cfg.values())
+    assert not torch.equal(with_cfg["prompt_embeds"][0], with_cfg["prompt_embeds"][1])
+    alone = policy.encode_prompts(prompts[1:], "cpu", guidance_scale=1.0)
+    torch.testing.assert_close(alone["prompt_embeds"][0], without["prompt_embeds"][1])
+
+
+@pytest.mark.parametrize(
+    "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8))]
+)
+def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
+    policy = policies[family]
+    latents = policy.prepare_latents(_generators(3), 32, 32, 5, "cpu")
+    assert latents.shape == (3, *shape) and latents.dtype == torch.float32
+    alone = policy.prepare_latents(_generators(1, seed=2), 32, 32, 5, "cpu")
+    assert torch.equal(latents[2:], alone)
+
+
+def test_unsupported_sizes_fail_early(policies):
+    with pytest.raises(ValueError, match="height=20"):
+        policies["sd3"].latent_shape(20, 32, 1)  # SD3 tiny needs multiples of 4 (VAE) * 2 (patch)
+    with pytest.raises(ValueError, match="num_frames=4"):
+        policies["wan"].latent_shape(32, 32, 4)
+    with pytest.raises(ValueError, match="width=36"):
+        policies["flux"].latent_shape(32, 36, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_schedule_starts_at_one_and_ends_at_zero(family, policies):
+    policy = policies[family]
+    latents = policy.prepare_latents(_generators(1), 32, 32, 5, "cpu")
+    timesteps, sigmas = policy.timesteps_and_sigmas(6, latents, "cpu")
+    assert timesteps.shape == (6,) and sigmas.shape == (7,)
+    assert sigmas[0] == 1 and sigmas[-1] == 0 and (sigmas[1:] < sigmas[:-1]).all()
+    torch.testing.assert_close(timesteps, sigmas[:-1] * 1000)
+
+
+@pytest.mark.parametrize("family", ["wan", "sd3"])
+def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
+    policy = policies[family]
+    embeds = policy.encode_prompts(["a red circle", "a cat"], "cpu", guidance_scale=3.0, negative_prompt="blue")
+    latents = policy.prepare_latents(_generators(2), 32, 32, 5, "cpu")
+    t = torch.tensor([900.0, 400.0])
+    cond = {k: v for k, v in embeds.items() if not k.startswith("negative_")}
+    uncond = {k[len("negative_"):]: v for k, v in embeds.items() if k.startswith("negative_")}
+    with torch.no_grad():
+        v_c = policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=1.0)
+        v_u = policy.predict_velocity(policy.transformer, latents, t, uncond, guidance_scale=1.0)
+        v = policy.predict_velocity(policy.transformer, latents, t, embeds, guidance_scale=3.0)
+    assert v.shape == latents.shape and v.dtype == torch.float32
+    assert not torch.allclose(v_c, v_u)
+    torch.testing.assert_close(v, v_u + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="negative"):
+        policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=3.0)
+
+
+def test_flux_guidance_is_a_transformer_input(policies):
+    policy = policies["flux"]
+    embeds = policy.encode_prompts(["a red circle"], "cpu", guidance_scale=3.5)
+    latents = policy.prepare_latents(_generators(1), 32, 32, 1, "cpu")
+    t = torch.tensor([700.0])
+    with torch.no_grad():
+        low = policy.predict_velocity(policy.transformer, latents, t, embeds, guidance_scale=1.0)
+        high = policy.predict_velocity(policy.transformer, latents, t, embeds, guidance_scale=5.0)
+    assert low.shape == latents.shape and not torch.allclose(low, high)
+
+
+def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
+    policy = load_policy(tiny_dirs["wan"]).to("cpu")
+    transformer = policy.transformer.to(torch.bfloat16)
+    embeds = policy.encode_prompts(["a cat"], "cpu", guidance_scale=2.0)
+    latents = policy.prepare_latents(_generators(1), 32, 32, 5, "cpu")
+    with torch.no_grad():
+        v = policy.predict_velocity(transformer, latents, torch.tensor([500.0]), embeds, guidance_scale=2.0)
+    assert v.dtype == torch.float32 and torch.isfinite(v).all()
+
+
+@pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("sd3", 3.0), ("sd3", 1.0), ("flux", 3.0)])
+def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
+    """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
+    prompt encoding, schedule, guidance and decoding must give the same frames."""
+    policy = policies[family]
+    prompts = ["a red circle above a blue square", "three green triangles"]
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
+    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu")
+    assert rollout.num_steps == 0
+
+    generators = [latent_generator(p, 7, 0, 0, True) for p in prompts]
+    latents = policy.prepare_latents(generators, 32, 32, 5, "cpu")
+    kwargs = dict(
+        prompt=prompts, height=32, width=32, num_inference_steps=4, guidance_scale=guidance_scale,
+        output_type="pt", max_sequence_length=16,
+    )
+    if family == "wan":
+        out = policy.pipeline(latents=latents, num_frames=5, negative_prompt="dark", **kwargs).frames
+        expected = out.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
+    elif family == "sd3":
+        out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images
+        expected = out.unsqueeze(2)
+    else:
+        packed = FluxPipeline._pack_latents(latents, *latents.shape)
+        expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)
+    assert rollout.samples.shape == expected.shape
+    torch.testing.assert_close(rollout.samples, expected, rtol=0, atol=1e-4)

@@ -1,0 +1,142 @@
+"""The shared denoising loop: what it records, and that recomputing the recorded transitions
+under the same weights gives back the recorded log-probs (PPO ratio exactly 1)."""
+
+import pytest
+import torch
+
+from genrl.policies import policy_for_pipeline
+from genrl.rollout import (
+    Rollout,
+    SamplingConfig,
+    concat_rollouts,
+    index_rollout,
+    sample_rollout,
+    step_log_prob,
+)
+from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
+
+torch.set_num_threads(2)
+
+PROMPTS = ["a red circle", "a red circle", "two blue squares below a tree"]
+GROUP_INDICES = [0, 1, 0]
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return {
+        family: policy_for_pipeline(
+            build_tiny_pipeline(family), **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()}
+        ).to("cpu")
+        for family in FAMILIES
+    }
+
+
+def _flat(rollout: Rollout):
+    """Every recorded transition as one batch: (B * S, ...) tensors and per-sample embeds."""
+    steps = rollout.num_steps
+    embeds = {k: v.repeat_interleave(steps, dim=0) for k, v in rollout.embeds.items()}
+    return (
+        rollout.latents.flatten(0, 1),
+        rollout.next_latents.flatten(0, 1),
+        rollout.timesteps.flatten(),
+        rollout.sigmas.flatten(),
+        rollout.sigmas_next.flatten(),
+        embeds,
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
+@pytest.mark.parametrize("window", [0, 2])
+def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window, policies):
+    policy = policies[family]
+    config = SamplingConfig(
+        num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.9, sde_window_size=window
+    )
+    prompts, indices = [PROMPTS[0], PROMPTS[2]], [1, 0]
+    rollout = sample_rollout(policy, policy.transformer, prompts, indices, seed=1, epoch=2, config=config, device="cpu")
+    expected_steps = window if window else config.num_inference_steps - 1  # the step to sigma' = 0 is not recorded
+    assert rollout.log_probs.shape == (2, expected_steps)
+    assert rollout.latents.shape[:2] == rollout.next_latents.shape[:2] == (2, expected_steps)
+    assert torch.isfinite(rollout.log_probs).all()
+
+    # Re-score every transition in one mixed batch: samples sit at different steps.
+    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
+    assert (out.std > 0).all()
+
+    # Decoded samples: on the CPU, (B, C, F, H, W), in [0, 1].
+    frames = TINY_SAMPLING_DEFAULTS[family]["num_frames"]
+    assert rollout.samples.device.type == "cpu" and rollout.samples.dtype == torch.float32
+    assert rollout.samples.shape == (2, 3, frames, 32, 32)
+    assert rollout.samples.min() >= 0 and rollout.samples.max() <= 1 and rollout.samples.std() > 0
+    assert rollout.prompts == prompts and rollout.group_indices == indices
+
+
+def test_records_only_the_stochastic_steps_of_the_window(policies):
+    policy = policies["sd3"]
+    config = SamplingConfig(
+        num_inference_steps=8, guidance_scale=1.0, sde_window_size=3, sde_window_range=(2, 7)
+    )
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=4, epoch=0, config=config, device="cpu")
+    steps = rollout.step_indices
+    assert steps.shape == (3, 3) and steps.dtype == torch.long
+    assert (steps[:, 1:] - steps[:, :-1] == 1).all()  # consecutive
+    assert (steps[:, 0] >= 2).all() and (steps[:, -1] <= 6).all()  # inside [2, 7) and before the last step
+    _, sigmas = policy.timesteps_and_sigmas(8, rollout.latents[:, 0], "cpu")
+    torch.testing.assert_close(rollout.sigmas, sigmas[steps])
+    torch.testing.assert_close(rollout.sigmas_next, sigmas[steps + 1])
+    torch.testing.assert_close(rollout.timesteps, sigmas[steps] * 1000)
+    assert rollout.sigma_max == pytest.approx(float(sigmas[1]))
+    # Each record chains: the state after step s is the state before step s + 1.
+    torch.testing.assert_close(rollout.next_latents[:, :-1], rollout.latents[:, 1:], rtol=0, atol=0)
+
+
+def test_deterministic_sampling_records_nothing(policies):
+    policy = policies["flux"]
+    config = SamplingConfig(num_inference_steps=3, noise_level=0.0)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    assert rollout.log_probs.shape == (3, 0) and rollout.latents.shape == (3, 0, 4, 8, 8)
+    assert rollout.samples.shape == (3, 3, 1, 32, 32)
+
+
+def test_step_log_prob_carries_gradients_to_the_transformer(policies):
+    policy = policies["wan"]
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=2.0, sde_window_size=1)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], GROUP_INDICES[:2], seed=0, epoch=0, config=config, device="cpu")
+    policy.transformer.zero_grad()
+    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    out.log_prob.sum().backward()
+    grads = [p.grad for p in policy.transformer.parameters() if p.grad is not None]
+    assert grads and any(g.abs().sum() > 0 for g in grads)
+    policy.transformer.zero_grad()
+
+
+def test_index_and_concat_round_trip(policies):
+    policy = policies["sd3"]
+    config = SamplingConfig(num_inference_steps=3, guidance_scale=2.0)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    parts = [index_rollout(rollout, [2]), index_rollout(rollout, torch.tensor([0, 1]))]
+    assert parts[0].prompts == [PROMPTS[2]] and parts[0].embeds["negative_prompt_embeds"].shape[0] == 1
+    joined = concat_rollouts(parts)
+    order = [2, 0, 1]
+    assert joined.prompts == [PROMPTS[i] for i in order]
+    assert joined.group_indices == [GROUP_INDICES[i] for i in order]
+    for name in ("latents", "next_latents", "log_probs", "timesteps", "step_indices", "samples"):
+        assert torch.equal(getattr(joined, name), getattr(rollout, name)[order]), name
+    for key, value in rollout.embeds.items():
+        assert torch.equal(joined.embeds[key], value[order]), key
+    assert joined.sigma_max == rollout.sigma_max
+
+
+def test_bad_configs_fail_early(policies):
+    with pytest.raises(ValueError, match="sde_type"):
+        SamplingConfig(sde_type="ddim")
+    with pytest.raises(ValueError, match="noise_level"):
+        SamplingConfig(noise_level=-0.1)
+    policy = policies["sd3"]
+    config = SamplingConfig(num_inference_steps=4, sde_window_size=3, sde_window_range=(2, None))
+    with pytest.raises(ValueError, match="sde_window_range"):
+        sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    with pytest.raises(ValueError, match="group index"):
+        sample_rollout(policy, policy.transformer, PROMPTS, [0], seed=0, epoch=0, config=SamplingConfig(), device="cpu")
