@@ -35,7 +35,7 @@ from genrl.toy_scenes import prompt_splits
 
 logger = get_logger(__name__)
 
-DEFAULT_REWARD = "jpeg_compressibility"
+DEFAULT_REWARD = "toy_geneval"  # the embedded default run's reward, for its default prompts
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -146,6 +146,12 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
     return result
 
 
+def _summary(stats: dict) -> str:
+    if stats["mean"] is None:
+        return "not applicable to any sample"
+    return f"{stats['mean']:.4f} (std {stats['std']:.4f}, {stats['count']} samples)"
+
+
 def reward_fn_spec(args) -> str:
     return args.reward_fn or trained_reward_spec(args.model) or DEFAULT_REWARD
 
@@ -162,7 +168,9 @@ def main(args):
         prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = reward_fn_spec(args)
     with zero_init_disabled():
-        reward_fn = build_reward_fn(spec, device=accelerator.device)
+        # NaN marks a score that does not apply to a sample (e.g. a position check on a counting
+        # prompt); evaluation averages over the samples it applies to.
+        reward_fn = build_reward_fn(spec, device=accelerator.device, allow_nan=True)
     config = SamplingConfig(
         num_inference_steps=args.num_inference_steps,
         guidance_scale=args.guidance_scale,
@@ -197,9 +205,9 @@ def main(args):
                 video_dirs=("model_a/videos", "model_b/videos"),
             )
         for name, stats in result_a.metrics.items():
-            line = f"{name}: {stats['mean']:.4f} (std {stats['std']:.4f})"
+            line = f"{name}: {_summary(stats)}"
             if result_b is not None and name in result_b.metrics:
-                line += f"  vs  {result_b.metrics[name]['mean']:.4f} (std {result_b.metrics[name]['std']:.4f})"
+                line += f"  vs  {_summary(result_b.metrics[name])}"
             logger.info(line, main_process_only=True)
         logger.info(f"Wrote the evaluation to {os.path.abspath(args.output_dir)}", main_process_only=True)
     accelerator.wait_for_everyone()

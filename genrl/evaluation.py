@@ -50,9 +50,10 @@ def make_eval_generator() -> torch.Generator:
 class EvalResult:
     """What an evaluation measured.
 
-    metrics: ``{reward: {"mean": m, "std": s}}`` over every evaluated sample, "total" included;
-        std is the population std (correction 0), so one sample gives 0, not NaN.
-    per_prompt: ``[{"index": i, "prompt": p, "scores": {reward: score}}]`` in prompt order.
+    metrics: ``{reward: {"mean": m, "std": s, "count": n}}`` over the evaluated samples the reward
+        applies to (see ``score_stats``), "total" included.
+    per_prompt: ``[{"index": i, "prompt": p, "scores": {reward: score or None}}]`` in prompt
+        order; None where the reward does not apply (it returned NaN).
     samples: uint8 ``(N, F, H, W, C)`` on the CPU, the first ``keep_samples`` samples in prompt
         order (for grids and videos), or None when none were kept.
     settings: how it was sampled (seed, batch size, batches, steps, guidance, size, ...).
@@ -71,8 +72,9 @@ class EvalResult:
         """``{"eval/<reward>_mean": m, "eval/<reward>_std": s, ...}`` for ``accelerator.log``."""
         out = {}
         for name, stats in self.metrics.items():
-            out[f"{prefix}/{name}_mean"] = stats["mean"]
-            out[f"{prefix}/{name}_std"] = stats["std"]
+            if stats["mean"] is not None:
+                out[f"{prefix}/{name}_mean"] = stats["mean"]
+                out[f"{prefix}/{name}_std"] = stats["std"]
         return out
 
 
@@ -127,6 +129,16 @@ def sample_deterministic(
     samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
     del latents, embeds
     return samples
+
+
+def score_stats(values: Sequence[float]) -> dict[str, float | int | None]:
+    """Mean and population std (correction 0: one sample gives 0) over the applicable scores,
+    i.e. those that are not NaN (``allow_nan`` rewards mark "not applicable" with NaN), and
+    their count; mean and std are None when no sample applies."""
+    applicable = torch.tensor([v for v in values if not math.isnan(v)], dtype=torch.float64)
+    if applicable.numel() == 0:
+        return {"mean": None, "std": None, "count": 0}
+    return {"mean": float(applicable.mean()), "std": float(applicable.std(correction=0)), "count": applicable.numel()}
 
 
 def _gather(records: list, accelerator) -> list:
@@ -208,11 +220,12 @@ def evaluate(
 
     records = sorted(_gather(records, accelerator), key=lambda r: r[0])
     names = list(records[0][2])
-    metrics = {}
-    for name in names:
-        values = torch.tensor([r[2][name] for r in records], dtype=torch.float64)
-        metrics[name] = {"mean": float(values.mean()), "std": float(values.std(correction=0))}
-    per_prompt = [{"index": i, "prompt": p, "scores": s} for i, p, s, _ in records]
+    metrics = {name: score_stats([r[2][name] for r in records]) for name in names}
+    # NaN ("not applicable to this sample") is written as null: JSON has no NaN.
+    per_prompt = [
+        {"index": i, "prompt": p, "scores": {k: (None if math.isnan(v) else v) for k, v in s.items()}}
+        for i, p, s, _ in records
+    ]
     kept_samples = [r[3] for r in records if r[3] is not None]
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     settings = {
@@ -329,7 +342,11 @@ def save_videos(samples: torch.Tensor | np.ndarray, directory: str, fps: float, 
 def score_caption(scores: Mapping[str, float], prefix: str = "", sep: str = "  ") -> str:
     """``"total 0.123  jpeg -1.2"``: the scores of one sample, total first."""
     ordered = sorted(scores.items(), key=lambda kv: (kv[0] != "total", kv[0]))
-    return prefix + sep.join(f"{name} {value:.4g}" for name, value in ordered)
+    return prefix + sep.join(f"{name} {_fmt(value)}" for name, value in ordered)
+
+
+def _fmt(value: float | None, spec: str = ".4g") -> str:
+    return "n/a" if value is None else format(value, spec)
 
 
 def save_eval_outputs(result: EvalResult, output_dir: str, *, fps: float = 16.0, nrow: int = 4) -> dict[str, Any]:
@@ -405,7 +422,7 @@ def _comparison_html(result_a, result_b, labels, image_names, video_dirs, output
     from html import escape
 
     def scores_cell(scores: Mapping[str, float]) -> str:
-        return "<br>".join(f"{escape(k)}: {v:.4g}" for k, v in sorted(scores.items(), key=lambda kv: (kv[0] != "total", kv[0])))
+        return "<br>".join(f"{escape(k)}: {_fmt(v)}" for k, v in sorted(scores.items(), key=lambda kv: (kv[0] != "total", kv[0])))
 
     def media_cell(k: int, side: int, index: int) -> str:
         parts = []
@@ -435,9 +452,10 @@ def _comparison_html(result_a, result_b, labels, image_names, video_dirs, output
         a, b = result_a.metrics[name], result_b.metrics.get(name)
         if b is None:
             continue
+        delta = None if a["mean"] is None or b["mean"] is None else b["mean"] - a["mean"]
         rows.append(
-            f"<tr><td>{escape(name)}</td><td>{a['mean']:.4g} ({a['std']:.3g})</td>"
-            f"<td>{b['mean']:.4g} ({b['std']:.3g})</td><td>{b['mean'] - a['mean']:+.4g}</td></tr>"
+            f"<tr><td>{escape(name)}</td><td>{_fmt(a['mean'])} ({_fmt(a['std'], '.3g')})</td>"
+            f"<td>{_fmt(b['mean'])} ({_fmt(b['std'], '.3g')})</td><td>{_fmt(delta, '+.4g')}</td></tr>"
         )
     rows += [
         "</table>",

@@ -209,7 +209,7 @@ def test_script_writes_identical_outputs_run_after_run(tiny_wan, prompts_file, t
     metrics = json.loads(first)
     assert metrics["settings"]["num_batches"] == 3 and len(metrics["per_prompt"]) == 6
     assert metrics["settings"]["seed"] == 0 and metrics["settings"]["num_inference_steps"] == 3
-    assert {"mean", "std"} == set(metrics["metrics"]["total"])
+    assert {"mean", "std", "count"} == set(metrics["metrics"]["total"]) and metrics["metrics"]["total"]["count"] == 6
     png = tmp_path / "run1" / "samples.png"
     assert png.read_bytes()[:8] == PNG_SIGNATURE and cv2.imread(str(png)) is not None
     videos = sorted(os.listdir(tmp_path / "run1" / "videos"))
@@ -275,3 +275,21 @@ def test_script_evaluates_a_bare_lora_adapter(tiny_wan, prompts_file, tmp_path):
     lora = json.loads((tmp_path / "lora" / "metrics.json").read_text())
     base = json.loads((tmp_path / "base" / "metrics.json").read_text())
     assert lora["per_prompt"] != base["per_prompt"]  # the adapter's weights were applied
+
+
+def test_not_applicable_scores_are_left_out_of_means_and_written_as_null(policy, tmp_path):
+    def reward(samples, prompts, metadata):
+        applies = torch.tensor(["circle" in p for p in prompts])
+        return {"total": torch.where(applies, torch.ones(len(prompts)), torch.full((len(prompts),), float("nan")))}
+
+    result = _evaluate(policy, reward, max_batches=2)
+    assert result.metrics["total"] == {"mean": 1.0, "std": 0.0, "count": 1}  # only "a red circle"
+    assert [r["scores"]["total"] for r in result.per_prompt] == [1.0, None, None, None]
+    evaluation.save_eval_outputs(result, str(tmp_path))
+
+    def no_nan(token):
+        raise AssertionError(f"metrics.json holds {token}")
+
+    json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_nan)
+    assert evaluation.score_stats([float("nan")]) == {"mean": None, "std": None, "count": 0}
+    assert result.log_dict() == {"eval/total_mean": 1.0, "eval/total_std": 0.0}
