@@ -136,6 +136,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval_num_inference_steps", type=int, default=None)
     parser.add_argument("--eval_guidance_scale", type=float, default=None)
     parser.add_argument("--eval_seed", type=int, default=0)
+    parser.add_argument("--eval_log_samples", type=int, default=8, help="Evaluation samples shown in the logged grid.")
     parser.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
     parser.add_argument("--tracker_project_name", type=str, default="genrl")
     # Hub
@@ -383,20 +384,25 @@ def main(args):
                 f.write(json.dumps({"step": step, "epoch": epoch, **values}) + "\n")
 
     def run_eval(epoch: int) -> dict:
+        """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.evaluation import evaluate
+        from genrl.evaluation import evaluate, save_image_grid, score_caption
 
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
             result = evaluate(
                 policy, model, eval_set.prompts, reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
                 max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
-                metadata=eval_set.metadata,
+                metadata=eval_set.metadata, keep_samples=args.eval_log_samples,
             )
-        values = {f"eval/{name}_mean": stats["mean"] for name, stats in result.rewards.items()}
-        values.update({f"eval/{name}_std": stats["std"] for name, stats in result.rewards.items()})
+        values = result.log_dict("eval")
         log(values, global_step, epoch)
+        if accelerator.is_main_process and result.samples is not None:
+            captions = [r["prompt"] + ": " + score_caption(r["scores"]) for r in result.per_prompt[: len(result.samples)]]
+            grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
+                                   captions=captions)
+            log_image(accelerator, "eval/samples", grid, global_step)
         accelerator.print(f"eval at step {global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in values.items() if k.endswith("_mean")))
         return values
 
@@ -591,6 +597,20 @@ def main(args):
 
             push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
     accelerator.end_training()
+
+
+def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
+    """Send a PNG written to disk to the trackers that show images."""
+    import cv2
+
+    image = cv2.cvtColor(cv2.imread(png_path), cv2.COLOR_BGR2RGB)
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_image(tag, image, step, dataformats="HWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({tag: wandb.Image(image)}, step=step)
 
 
 if __name__ == "__main__":
