@@ -226,8 +226,8 @@ def test_one_and_two_processes_give_the_same_numbers(tiny_wan, prompts_file, tmp
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+    command = [sys.executable, "-m", "accelerate.commands.launch",
+               "--config_file", os.path.join(ROOT, "accelerate_configs", "multi_gpu.yaml"), "--num_processes", "2",
                "--main_process_port", str(port), os.path.join(ROOT, "eval_genrl.py"),
                *_script_args(tiny_wan, prompts_file, tmp_path / "two")]
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
