@@ -67,16 +67,23 @@ Launched with:
 {% endfor %}"""
 
 
+_FLAT_KEY = re.compile(r"^(?:eval/)?(?P<name>.+)_(?P<stat>mean|std)$")
+
+
 def _eval_rows(eval_metrics: dict | None) -> list[tuple[str, str, str]]:
-    """``{"name": {"mean": m, "std": s}}`` or ``{"name": m}`` -> table rows."""
-    rows = []
-    for name, value in sorted((eval_metrics or {}).items()):
+    """Table rows (reward, mean, std) from ``{"name": {"mean": m, "std": s}}`` (an
+    ``EvalResult.metrics``), ``{"eval/name_mean": m, "eval/name_std": s}`` (its ``log_dict()``)
+    or ``{"name": m}``."""
+    stats: dict[str, dict] = {}
+    for key, value in (eval_metrics or {}).items():
+        flat = _FLAT_KEY.match(key) if not isinstance(value, dict) else None
         if isinstance(value, dict):
-            mean, std = value.get("mean"), value.get("std")
+            stats.setdefault(key, {}).update(value)
+        elif flat:
+            stats.setdefault(flat["name"], {})[flat["stat"]] = value
         else:
-            mean, std = value, None
-        rows.append((name, _fmt(mean), _fmt(std)))
-    return rows
+            stats.setdefault(key, {})["mean"] = value
+    return [(name, _fmt(s.get("mean")), _fmt(s.get("std"))) for name, s in sorted(stats.items())]
 
 
 def _fmt(x) -> str:
@@ -122,8 +129,9 @@ def write_model_card(
             is only named in the text, since the Hub's ``base_model`` field must be an id).
         reward_spec: the ``--reward_fn`` string, e.g. ``"hpsv3:1.0,videoalign_ta:0.5"``.
         hyperparameters: the training arguments, shown as a table.
-        eval_metrics: ``{reward: {"mean": m, "std": s}}`` (``EvalResult.metrics``) or
-            ``{reward: value}``; ``None`` leaves the section out.
+        eval_metrics: ``{reward: {"mean": m, "std": s}}`` (``EvalResult.metrics``), its
+            ``log_dict()`` (``{"eval/<reward>_mean": m, ...}``) or ``{reward: value}``; ``None``
+            leaves the section out.
         sample_images: image paths (relative to ``export_dir`` or absolute; outside ones are
             copied to ``export_dir/samples/``).
         launch_command: the command line that trained it.

@@ -174,3 +174,12 @@ def test_model_card_names_a_missing_image(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.png"):
         write_model_card(str(tmp_path), base_model="a/b", reward_spec="r", hyperparameters={},
                          sample_images=["nope.png"])
+
+
+def test_model_card_reads_eval_metrics_in_log_dict_form(tmp_path):
+    flat = {"eval/total_mean": 0.5, "eval/total_std": 0.25, "eval/toy_geneval_mean": 0.125, "eval/toy_geneval_std": 0.0}
+    card = ModelCard.load(write_model_card(str(tmp_path), base_model="a/b", reward_spec="r", hyperparameters={},
+                                           eval_metrics=flat))
+    assert "| total | 0.5000 | 0.2500 |" in card.text
+    assert "| toy_geneval | 0.1250 | 0.0000 |" in card.text
+    assert "eval/" not in card.text
