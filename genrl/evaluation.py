@@ -196,27 +196,29 @@ def evaluate(
     was_training = transformer.training
     transformer.eval()
     generator = make_eval_generator()
-    records = []  # (index, prompt, scores, uint8 sample or None)
-    plan = batches_of_process(len(batches), rank, world)
-    for slot in tqdm(plan, desc="eval", disable=not is_main):
-        # A process with no batch left re-runs its last one (or the first) and drops it.
-        batch_idx = slot if slot is not None else next((b for b in reversed(plan) if b is not None), 0)
-        indices = list(batches[batch_idx])
-        batch_prompts = [prompts[i] for i in indices]
-        generator.manual_seed(seed + batch_idx)
-        samples = sample_deterministic(policy, transformer, batch_prompts, generator, config=config, device=device)
-        if slot is None:
-            continue
-        batch_metadata = [metadata[i] for i in indices] if metadata is not None else None
-        scores = reward_fn(samples, batch_prompts, batch_metadata)
-        scores = {name: torch.as_tensor(value).detach().float().cpu() for name, value in scores.items()}
-        kept = [keep_samples is None or i < keep_samples for i in indices]
-        images = prepare_images_tensor(samples) if any(kept) else None
-        for j, i in enumerate(indices):
-            sample_scores = {name: float(value[j]) for name, value in scores.items()}
-            records.append((i, prompts[i], sample_scores, images[j].clone() if kept[j] else None))
-        del samples, images
-    transformer.train(was_training)
+    try:
+        records = []  # (index, prompt, scores, uint8 sample or None)
+        plan = batches_of_process(len(batches), rank, world)
+        for slot in tqdm(plan, desc="eval", disable=not is_main):
+            # A process with no batch left re-runs its last one (or the first) and drops it.
+            batch_idx = slot if slot is not None else next((b for b in reversed(plan) if b is not None), 0)
+            indices = list(batches[batch_idx])
+            batch_prompts = [prompts[i] for i in indices]
+            generator.manual_seed(seed + batch_idx)
+            samples = sample_deterministic(policy, transformer, batch_prompts, generator, config=config, device=device)
+            if slot is None:
+                continue
+            batch_metadata = [metadata[i] for i in indices] if metadata is not None else None
+            scores = reward_fn(samples, batch_prompts, batch_metadata)
+            scores = {name: torch.as_tensor(value).detach().float().cpu() for name, value in scores.items()}
+            kept = [keep_samples is None or i < keep_samples for i in indices]
+            images = prepare_images_tensor(samples) if any(kept) else None
+            for j, i in enumerate(indices):
+                sample_scores = {name: float(value[j]) for name, value in scores.items()}
+                records.append((i, prompts[i], sample_scores, images[j].clone() if kept[j] else None))
+            del samples, images
+    finally:
+        transformer.train(was_training)
 
     records = sorted(_gather(records, accelerator), key=lambda r: r[0])
     names = list(records[0][2])

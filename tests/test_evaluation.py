@@ -91,7 +91,9 @@ def test_every_process_runs_as_many_batches_and_all_batches_run_once():
 
 
 def test_evaluate_is_deterministic_and_the_seed_matters(policy, reward_fn):
+    policy.transformer.train()  # as the trainer leaves it
     a = _evaluate(policy, reward_fn)
+    assert policy.transformer.training  # evaluated in eval mode, handed back in train mode
     b = _evaluate(policy, reward_fn)
     c = _evaluate(policy, reward_fn, seed=1)
     assert a.metrics == b.metrics and a.per_prompt == b.per_prompt
