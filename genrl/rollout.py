@@ -135,13 +135,16 @@ def sample_rollout(
     """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
     with ``transformer`` and record every stochastic step. Decoded samples land on the CPU."""
     if len(prompts) != len(group_indices) or not prompts:
-        raise ValueError(f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices.")
+        raise ValueError(
+            f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
+        )
     batch = len(prompts)
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
 
-    latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in zip(prompts, group_indices)]
-    noise_generators = [noise_generator(p, seed, epoch, k) for p, k in zip(prompts, group_indices)]
+    sample_ids = list(zip(prompts, group_indices))
+    latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in sample_ids]
+    noise_generators = [noise_generator(p, seed, epoch, k) for p, k in sample_ids]
     latents = policy.prepare_latents(latent_generators, height, width, num_frames, device)
     timesteps, sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, device)
     sigma_max = float(sigmas[1])
@@ -149,7 +152,8 @@ def sample_rollout(
 
     records: list[list[tuple]] = [[] for _ in range(batch)]
     for i in range(len(timesteps)):
-        velocity = policy.predict_velocity(transformer, latents, timesteps[i].expand(batch), embeds, config.guidance_scale)
+        t = timesteps[i].expand(batch)
+        velocity = policy.predict_velocity(transformer, latents, t, embeds, config.guidance_scale)
         next_latents = torch.empty_like(latents)
         for is_stochastic in (False, True):
             rows = (stochastic[:, i] == is_stochastic).nonzero().flatten().tolist()
@@ -178,7 +182,9 @@ def sample_rollout(
     return _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
 
 
-def _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples) -> Rollout:
+def _stack_records(
+    records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples
+) -> Rollout:
     """Per-sample lists of (latents, next_latents, step, log_prob) -> batch-first tensors."""
     counts = {len(r) for r in records}
     if len(counts) != 1:

@@ -41,7 +41,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
-from genrl.policies import SAMPLING_DEFAULTS_FILE
+from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 
 FAMILIES = ("wan", "sd3", "flux")
 
@@ -293,3 +293,10 @@ def save_tiny_pipeline(family: str, path: str | os.PathLike, seed: int = 0) -> s
     with open(os.path.join(path, SAMPLING_DEFAULTS_FILE), "w") as f:
         json.dump(TINY_SAMPLING_DEFAULTS[family], f, indent=2)
     return path
+
+
+def build_tiny_policy(family: str, seed: int = 0) -> FlowPolicy:
+    """``build_tiny_pipeline`` wrapped in its adapter, with the tiny default sampling size
+    (what ``load_policy`` gives for a folder written by ``save_tiny_pipeline``)."""
+    pipeline = build_tiny_pipeline(family, seed=seed)
+    return policy_for_pipeline(pipeline, **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()})

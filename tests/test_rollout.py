@@ -4,7 +4,6 @@ under the same weights gives back the recorded log-probs (PPO ratio exactly 1)."
 import pytest
 import torch
 
-from genrl.policies import policy_for_pipeline
 from genrl.rollout import (
     Rollout,
     SamplingConfig,
@@ -13,7 +12,7 @@ from genrl.rollout import (
     sample_rollout,
     step_log_prob,
 )
-from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
+from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 
 torch.set_num_threads(2)
 
@@ -23,12 +22,7 @@ GROUP_INDICES = [0, 1, 0]
 
 @pytest.fixture(scope="module")
 def policies():
-    return {
-        family: policy_for_pipeline(
-            build_tiny_pipeline(family), **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()}
-        ).to("cpu")
-        for family in FAMILIES
-    }
+    return {family: build_tiny_policy(family).to("cpu") for family in FAMILIES}
 
 
 def _flat(rollout: Rollout):

@@ -11,10 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from genrl.policies import policy_for_pipeline
 from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
 from genrl.seeding import latent_generator, prompt_seed
-from genrl.tiny_pipelines import TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
+from genrl.tiny_pipelines import build_tiny_policy
 
 torch.set_num_threads(2)
 
@@ -65,19 +64,14 @@ def test_seeds_and_initial_latents_agree_across_processes(wan):
     assert a["latents"] == b["latents"] == hashlib.sha256(here.numpy().tobytes()).hexdigest()
 
 
-def _policy(family):
-    defaults = {f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()}
-    return policy_for_pipeline(build_tiny_pipeline(family), **defaults).to("cpu")
-
-
 @pytest.fixture(scope="module")
 def wan():
-    return _policy("wan")
+    return build_tiny_policy("wan").to("cpu")
 
 
 @pytest.fixture(scope="module")
 def flux():  # the cheapest to decode: for checks that do not depend on the family
-    return _policy("flux")
+    return build_tiny_policy("flux").to("cpu")
 
 
 def _rollout(policy, prompts, indices, config, epoch=0):

@@ -93,5 +93,7 @@ def load_policy(
     sizes = _read_json(path, SAMPLING_DEFAULTS_FILE, revision, required=False) or {}
     unknown = set(sizes) - {"height", "width", "num_frames"}
     if unknown:
-        raise ValueError(f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames.")
+        raise ValueError(
+            f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames."
+        )
     return POLICIES[class_name](pipeline, **{f"default_{k}": int(v) for k, v in sizes.items()})

@@ -54,7 +54,9 @@ class FluxPolicy(FlowPolicy):
         # FluxPipeline: sigmas linspace(1, 1/N, N) and mu always computed (used when the
         # scheduler config asks for dynamic shifting).
         config = self.scheduler.config
-        sigmas = None if config.get("use_flow_sigmas", False) else np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
+        if config.get("use_flow_sigmas", False):
+            sigmas = None
         mu = calculate_shift(
             self.image_seq_len(latents),
             config.get("base_image_seq_len", 256),

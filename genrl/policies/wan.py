@@ -52,7 +52,9 @@ class WanPolicy(FlowPolicy):
         check_divisible("height", height, spatial * patch[1])
         check_divisible("width", width, spatial * patch[2])
         if num_frames < 1 or (num_frames - 1) % temporal != 0:
-            raise ValueError(f"num_frames={num_frames} is not supported; num_frames - 1 must be a multiple of {temporal}.")
+            raise ValueError(
+                f"num_frames={num_frames} is not supported; num_frames - 1 must be a multiple of {temporal}."
+            )
         channels = self.transformer.config.in_channels
         return (channels, (num_frames - 1) // temporal + 1, height // spatial, width // spatial)
 
