@@ -196,6 +196,12 @@ def validate_args(args) -> None:
             f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
             f"({args.num_inference_steps - 1}): the last step is always deterministic."
         )
+    # accelerate launch exports the config's ZeRO stage, so this is known before any model loads.
+    if args.beta > 0 and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValueError(
+            "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
+            "use --use_lora (the reference is the adapter switched off) or --beta 0."
+        )
     if args.push_to_hub and not args.hub_model_id:
         args.hub_model_id = os.path.basename(os.path.abspath(args.output_dir))
 
@@ -218,7 +224,7 @@ def main(args):
     from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
     from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
     from genrl.data import load_prompts
-    from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled, zero_stage
+    from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
     from genrl.ema import EMA
     from genrl.grpo import grpo_loss, select_train_timesteps
     from genrl.policies import load_policy
@@ -255,11 +261,6 @@ def main(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     device = accelerator.device
-    if args.beta > 0 and not args.use_lora and zero_stage(accelerator) == 3:
-        raise ValueError(
-            "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
-            "use --use_lora (the reference is the adapter switched off) or --beta 0."
-        )
 
     sampler = PromptGroupSampler(
         num_prompts=len(train_set),

@@ -54,12 +54,6 @@ def configure_deepspeed(accelerator: Accelerator, *, micro_batch_size: int, max_
     config["gradient_clipping"] = max_grad_norm
 
 
-def zero_stage(accelerator: Accelerator) -> int:
-    """DeepSpeed ZeRO stage (0 without DeepSpeed)."""
-    plugin = accelerator.state.deepspeed_plugin
-    return int(plugin.zero_stage) if plugin is not None else 0
-
-
 @contextlib.contextmanager
 def zero_init_disabled() -> Iterator[None]:
     """Build frozen models (text encoders, VAE, reward models) outside ZeRO-3's ``zero.Init``.

@@ -30,7 +30,8 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
 
     out = str(tmp_path / "lora")
     run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4", "--lora_alpha", "4",
-                                           "--beta", "0.1", "--lora_target_modules", "to_q,to_v"))
+                                           "--beta", "0.1", "--lora_target_modules", "to_q,to_v",
+                                           "--mixed_precision", "bf16", "--gradient_checkpointing", "--reward_mode", "sync"))
     lora = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
     assert lora and all("lora" in k for k in lora)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items()), "LoRA B stayed zero: nothing trained"
@@ -83,6 +84,14 @@ def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_fi
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("train_genrl.py: error:") or "error:" in error
     assert message in error
+
+
+def test_kl_reference_copy_is_refused_under_zero3(tiny_sd3, prompt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")  # what accelerate launch sets for zero3.yaml
+    with pytest.raises(SystemExit):
+        train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1"))
+    assert "ZeRO-3" in capsys.readouterr().err
+    train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1", "--use_lora"))
 
 
 def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path):
