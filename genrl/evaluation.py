@@ -144,8 +144,9 @@ def score_stats(values: Sequence[float]) -> dict[str, float | int | None]:
 def _gather(records: list, accelerator) -> list:
     """Every process's records, concatenated, on every process.
 
-    torch.distributed directly rather than ``accelerate.utils.gather_object``: on a machine
-    without CUDA a multi-process Accelerate run reports ``DistributedType.NO`` while its gloo
+    torch.distributed directly rather than ``accelerate.utils.gather_object``, which decides
+    from the distributed type Accelerate reports: a DDP config on a CPU-only machine reports
+    ``DistributedType.NO`` (unless the Accelerator is built with ``cpu=True``) while its gloo
     group is up, and ``gather_object`` then silently returns the local records only.
     """
     if accelerator is None or accelerator.num_processes == 1:
