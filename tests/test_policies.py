@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FluxPipeline
+from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
-from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy
+from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy, policy_for_pipeline
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
 from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, save_tiny_pipeline
@@ -205,3 +205,20 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)
     assert rollout.samples.shape == expected.shape
     torch.testing.assert_close(rollout.samples, expected, rtol=0, atol=1e-4)
+
+
+def test_wan_unipc_scheduler_is_replaced_by_flow_match_euler_with_its_shift():
+    """Published Wan checkpoints ship UniPC with flow_shift; the SDE needs the Euler flow schedule."""
+    pipeline = build_tiny_pipeline("wan")
+    pipeline.scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=5.0
+    )
+    policy = policy_for_pipeline(pipeline)
+    assert isinstance(policy.scheduler, FlowMatchEulerDiscreteScheduler)
+    assert policy.scheduler.config.shift == 5.0
+    assert (policy.default_height, policy.default_width, policy.default_num_frames) == (480, 832, 81)
+    latents = torch.zeros(1, 4, 2, 4, 4)
+    _, sigmas = policy.timesteps_and_sigmas(4, latents, "cpu")
+    expected = FlowMatchEulerDiscreteScheduler(shift=5.0)
+    expected.set_timesteps(4)
+    torch.testing.assert_close(sigmas, expected.sigmas)
