@@ -319,9 +319,14 @@ def test_resize_close_to_transformers_processor_at_hpsv3_budget():
     gt, gh, gw = ours.grid_thw[0].tolist()
     assert ours.grid_thw.tolist() == hf["image_grid_thw"].tolist()
     assert (gh * 14, gw * 14) == prep.smart_resize(100, 150, 28, prep.HPSV3_PIXELS, prep.HPSV3_PIXELS) == (392, 560)
-    diff = (ours.pixel_values - hf["pixel_values"].float()).abs()
     step = 1 / 255 / min(prep.OPENAI_CLIP_STD)  # one uint8 level after normalisation
-    # PIL rounds to uint8 between its two separable passes, torch does not: off by one level at most.
+    diff = (ours.pixel_values - hf["pixel_values"].float()).abs()
+    # CPU uint8 frames take torch's fixed-point uint8 kernel, like PIL's: rare 2-level differences.
+    assert diff.max() <= 2.01 * step and diff.mean() < 0.05 * step
+    # The float32 path (GPU frames) rounds once at the end; PIL rounds between its two passes.
+    spec = prep.VisionSpec()
+    as_float = prep.patchify(prep.normalize_frames(prep.resize_frames(images.permute(0, 3, 1, 2).float(), 392, 560), spec), spec)[0]
+    diff = (as_float - hf["pixel_values"].float()).abs()
     assert diff.max() <= 1.01 * step and diff.mean() < 0.35 * step
 
 

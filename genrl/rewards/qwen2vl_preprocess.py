@@ -119,13 +119,17 @@ def smart_resize(
 def resize_frames(frames: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """``(T, C, H, W)`` values in [0, 255] -> float32 ``(T, C, height, width)``, integer-valued.
 
-    Antialiased bicubic (the filter PIL uses), rounded and clamped to [0, 255] as a uint8
-    resize would be. Same size: returned unchanged (as float32).
+    Antialiased bicubic (the filter PIL uses), rounded and clamped to [0, 255] as the originals'
+    uint8 resizes were. uint8 frames on the CPU use torch's uint8 kernel (fixed point, like
+    PIL's, and an order of magnitude faster on channels-last frames); elsewhere the resize runs
+    in float32 and is rounded after. Same size: returned unchanged (as float32).
     """
-    frames = frames.float()
     if tuple(frames.shape[-2:]) == (height, width):
-        return frames
-    resized = F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False)
+        return frames.float()
+    if frames.dtype == torch.uint8 and frames.device.type == "cpu":
+        frames = frames.contiguous(memory_format=torch.channels_last)
+        return F.interpolate(frames, size=(height, width), mode="bicubic", antialias=True, align_corners=False).float()
+    resized = F.interpolate(frames.float(), size=(height, width), mode="bicubic", antialias=True, align_corners=False)
     return resized.round_().clamp_(0, 255)
 
 
