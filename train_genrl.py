@@ -12,6 +12,7 @@ policy-gradient steps on the recorded transitions (see genrl/ and DESIGN notes i
 """
 
 import argparse
+import glob
 import json
 import logging
 import math
@@ -416,6 +417,7 @@ def main(args):
         f"{n_train_steps} trained timesteps per sample"
     )
     last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
     # ---- Training ----------------------------------------------------------------------------
     for epoch in range(first_epoch, args.num_epochs):
@@ -563,6 +565,8 @@ def main(args):
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
+            for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
+                push.exception()
             path = save_checkpoint(
                 accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch,
                 config=run_config, use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit,
@@ -571,33 +575,49 @@ def main(args):
             if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
                 from genrl.hub import push_checkpoint_async
 
-                push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+                checkpoint_pushes.append(
+                    push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+                )
         if stop:
             break
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
+    push_failed = False
     if accelerator.is_main_process:
+        from genrl.hub import HubPushError, push_to_hub
         from genrl.model_card import write_model_card
         from genrl.plots import plot_training_curves
 
-        plot = plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")) if os.path.exists(metrics_path) else None
+        images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
+        if os.path.exists(metrics_path):
+            images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
         write_model_card(
             args.output_dir,
             base_model=run_config["base_model"],
             reward_spec=args.reward_fn,
             hyperparameters=run_config["args"],
             eval_metrics=last_eval or None,
-            sample_images=[plot] if plot else [],
+            sample_images=images,
             launch_command=run_config["launch_command"],
             tags=["genrl", "grpo", policy.family],
+            repo_id=args.hub_model_id,
+            pipeline_tag="text-to-video" if policy.is_video else "text-to-image",
         )
         logger.info(f"Exported to {args.output_dir}")
+        for push in checkpoint_pushes:
+            if push.exception() is not None:
+                logger.error(f"A checkpoint push failed: {push.exception()}")
         if args.push_to_hub:
-            from genrl.hub import push_to_hub
-
-            push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+            try:
+                url = push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+                logger.info(f"Pushed to {url}")
+            except HubPushError as e:  # the local export stays as it is
+                logger.error(str(e))
+                push_failed = True
     accelerator.end_training()
+    if push_failed:
+        raise SystemExit(1)
 
 
 def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
