@@ -73,7 +73,7 @@ def empty_cache():
     lifecycle.clear_reward_models()
 
 
-def reference_scores(model, tokenizer, frames, prompt):
+def reference_scores(model, tokenizer, frames, prompt, head_outputs=False):
     """The original VideoAlign forward, written out for frames already chosen and sized:
     video pixel rows assembled from transformers' image processor (frame pairs fill the two
     temporal slots), the chat text by hand, merged video features scattered into the video
@@ -97,7 +97,8 @@ def reference_scores(model, tokenizer, frames, prompt):
         positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state[0]
         at = [(ids[0] == tokenizer.convert_tokens_to_ids(t)).nonzero().item() for t in TOKENS]
-        return model.rm_head(hidden[at].float())[:, 0]
+        logits = model.rm_head(hidden[at].float())  # (3 tokens, output_dim)
+        return logits if head_outputs else logits[:, 0]
 
 
 def _videos(n, frames, seed):
@@ -217,6 +218,24 @@ def test_default_pixel_bounds_and_missing_normalisation(setup, tmp_path, caplog)
 
     grid = preprocess_clips(video, scorer.spec, min_pixels=scorer.min_pixels, max_pixels=scorer.max_pixels).grid_thw[0]
     assert VIDEO_MIN_PIXELS <= int(grid[1] * grid[2]) * 14 * 14 <= VIDEO_MAX_PIXELS
+
+
+def test_three_output_head_is_read_on_the_diagonal(setup):
+    from _tiny_qwen2vl import CHAT_TEMPLATE
+
+    from genrl.rewards.qwen2vl_preprocess import VisionSpec, template_from_text
+
+    model = copy.deepcopy(setup["original"])
+    torch.manual_seed(9)
+    model.rm_head = torch.nn.Linear(64, 3, bias=False)
+    scorer = va.VideoAlignScorer(
+        model, make_tokenizer(TOKENS), CHAT_TEMPLATE, template_from_text(VA_TEMPLATE, "test"), VisionSpec(),
+        va.VideoAlignConfig(output_dim=3), "cpu", **FAST,
+    )
+    video = _videos(1, 4, seed=10)
+    got = scorer.score_clips([video[0]], ["d"])[0]
+    logits = reference_scores(model, setup["tokenizer"], video[0], "d", head_outputs=True)
+    torch.testing.assert_close(got, logits.diagonal(), rtol=0, atol=1e-5)  # VQ from output 0 at VQ, ...
 
 
 def test_template_must_name_three_tokens(setup, tmp_path):

@@ -233,6 +233,8 @@ def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "
         nonlocal scorer
         if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
             scorer = lifecycle.get_reward_model("hpsv3", key, device, build)
+        if prompts is None:
+            raise ValueError("This reward scores images against their prompts; got prompts=None.")
         clips = prepare_images_tensor(samples)
         frame_scores = scorer.score_frames(clips, list(prompts))
         return {"hpsv3": frame_scores.mean(dim=1), "hpsv3_top30": top_fraction_mean(frame_scores)}

@@ -361,6 +361,8 @@ def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str,
         nonlocal scorer
         if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
             scorer = lifecycle.get_reward_model("videoalign", key, device, build)
+        if prompts is None:
+            raise ValueError("This reward scores images against their prompts; got prompts=None.")
         clips = prepare_images_tensor(samples)
         fps = [float((m or {}).get("fps") or scorer.video_fps) for m in (metadata or [None] * len(clips))]
         scores = scorer.rewards(clips, list(prompts), fps, use_norm=use_norm)
