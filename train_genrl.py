@@ -12,6 +12,7 @@ policy-gradient steps on the recorded transitions (see genrl/ and DESIGN notes i
 """
 
 import argparse
+import copy
 import glob
 import json
 import logging
@@ -31,6 +32,10 @@ DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
 DEFAULT_TRAIN_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_train.txt")
 DEFAULT_EVAL_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_test.txt")
 DEFAULT_REWARD = "toy_geneval"
+# Evaluation of the default also reports the per-category breakdown (weight 0: not in the total).
+DEFAULT_EVAL_REWARD = "toy_geneval," + ",".join(
+    f"toy_geneval_{c}:0" for c in ("strict", "color", "shape", "count", "position")
+)
 
 logger = get_logger(__name__)
 
@@ -137,6 +142,8 @@ def parse_args(argv=None):
     parser.add_argument("--eval_num_inference_steps", type=int, default=None)
     parser.add_argument("--eval_guidance_scale", type=float, default=None)
     parser.add_argument("--eval_seed", type=int, default=0)
+    parser.add_argument("--eval_reward_fn", type=str, default=None,
+                        help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
     parser.add_argument("--eval_log_samples", type=int, default=8, help="Evaluation samples shown in the logged grid.")
     parser.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
     parser.add_argument("--tracker_project_name", type=str, default="genrl")
@@ -167,6 +174,7 @@ def validate_args(args) -> None:
         args.prompt_dataset = args.prompt_dataset or DEFAULT_TRAIN_PROMPTS
         args.eval_prompt_dataset = args.eval_prompt_dataset or DEFAULT_EVAL_PROMPTS
         args.reward_fn = args.reward_fn or DEFAULT_REWARD
+        args.eval_reward_fn = args.eval_reward_fn or DEFAULT_EVAL_REWARD
         args.eval_steps = args.eval_steps if args.eval_steps is not None else 10
     model = args.pretrained_model_name_or_path
     looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model) or model.count("/") > 1
@@ -177,6 +185,8 @@ def validate_args(args) -> None:
     if args.reward_fn is None:
         raise ValueError('--reward_fn is required with your own model, e.g. --reward_fn "hpsv3:1.0".')
     parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
+    args.eval_reward_fn = args.eval_reward_fn or args.reward_fn
+    parse_reward_spec(args.eval_reward_fn)
     if args.reward_options and not args.reward_options.lstrip().startswith("{") and not os.path.isfile(args.reward_options):
         raise FileNotFoundError(f"--reward_options {args.reward_options!r} is neither JSON nor a file.")
     if args.resolution is not None:
@@ -229,7 +239,7 @@ def main(args):
     from genrl.ema import EMA
     from genrl.grpo import grpo_loss, select_train_timesteps
     from genrl.policies import load_policy
-    from genrl.rewards import RewardScorer, build_reward_fn, cached_reward_models, clear_reward_models, on_device
+    from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
     from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout, step_log_prob
     from genrl.sampler import PromptGroupSampler
     from genrl.sde import kl_between_means
@@ -278,15 +288,24 @@ def main(args):
     with zero_init_disabled():  # frozen parts and reward models are never sharded
         policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
         policy.to(device, weight_dtype)
-        reward_device = device if args.reward_mode == "sync" else torch.device(args.reward_device)
         reward_options = load_reward_options(args.reward_options)
         # In sync mode reward models wait on the CPU and visit the training device to score.
-        build_rewards = lambda: build_reward_fn(  # noqa: E731
-            args.reward_fn, device="cpu" if args.reward_mode == "sync" else reward_device, options=reward_options
-        )
+        reward_device = "cpu" if args.reward_mode == "sync" else args.reward_device
+
+        def build_rewards():
+            return build_reward_fn(args.reward_fn, device=reward_device, options=reward_options)
+
         reward_fn = build_rewards()
+        eval_reward_fn = reward_fn
+        if args.eval_reward_fn != args.reward_fn:  # sub-scores may not apply to every prompt (NaN)
+            eval_names = dict(parse_reward_spec(args.eval_reward_fn))
+            eval_options = {k: v for k, v in reward_options.items() if k in eval_names}
+            eval_reward_fn = build_reward_fn(args.eval_reward_fn, device=reward_device, options=eval_options, allow_nan=True)
     reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
     transformer = policy.transformer
+    ref_transformer = None
+    if args.beta > 0 and not args.use_lora:  # full fine-tuning: the reference is a frozen copy
+        ref_transformer = copy.deepcopy(transformer).to(device, weight_dtype).requires_grad_(False).eval()
     transformer.requires_grad_(not args.use_lora)
     if args.use_lora:
         from peft import LoraConfig
@@ -299,10 +318,6 @@ def main(args):
                 target_modules=[m.strip() for m in args.lora_target_modules.split(",") if m.strip()],
             )
         )
-    ref_transformer = None
-    if args.beta > 0 and not args.use_lora:
-        ref_transformer = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant).transformer
-        ref_transformer.to(device, weight_dtype).requires_grad_(False).eval()
     if args.gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     trainable = [p for p in transformer.parameters() if p.requires_grad]
@@ -394,7 +409,7 @@ def main(args):
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
             result = evaluate(
-                policy, model, eval_set.prompts, reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
+                policy, model, eval_set.prompts, eval_reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
                 max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
                 metadata=eval_set.metadata, keep_samples=args.eval_log_samples,
             )
@@ -442,7 +457,8 @@ def main(args):
             )
             scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
             rollouts.append(rollout)
-        timings["time/rollout_s"] = time.perf_counter() - t0
+        timings["time/decode_s"] = sum(r.decode_seconds for r in rollouts)
+        timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/decode_s"]  # denoising alone
         t0 = time.perf_counter()
         if args.reward_mode == "sync":
             with on_device(cached_reward_models(), device):

@@ -11,6 +11,8 @@ function of (seed, epoch, prompt, index in its group) alone, whatever batch it s
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 
@@ -68,6 +70,7 @@ class Rollout:
     sigma_max: the schedule's second sigma (see ``genrl.sde.flow_sde_std``).
     embeds: the prompt embeddings, ``(B, ...)`` each.
     samples: decoded ``(B, C, F, H, W)`` float in [0, 1], on the CPU.
+    decode_seconds: time spent in the VAE decode (summed when rollouts are joined).
     """
 
     prompts: list[str]
@@ -82,6 +85,7 @@ class Rollout:
     sigma_max: float
     embeds: dict[str, torch.Tensor] = field(default_factory=dict)
     samples: torch.Tensor | None = None
+    decode_seconds: float = 0.0
 
     @property
     def num_steps(self) -> int:
@@ -176,10 +180,14 @@ def sample_rollout(
         latents = next_latents
 
     # Decoded one sample at a time (bounded VAE memory, batch-independent), straight to the CPU.
+    decode_start = time.perf_counter()
     samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
+    decode_seconds = time.perf_counter() - decode_start
     state_shape = latents.shape[1:]
     del latents, next_latents, velocity
-    return _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
+    rollout = _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
+    rollout.decode_seconds = decode_seconds
+    return rollout
 
 
 def _stack_records(
@@ -277,6 +285,8 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             joined[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
         elif f.name == "samples":
             joined[f.name] = None if values[0] is None else torch.cat(values)
+        elif f.name == "decode_seconds":
+            joined[f.name] = sum(values)
         elif isinstance(values[0], torch.Tensor):
             joined[f.name] = torch.cat(values)
         else:

@@ -261,6 +261,13 @@ def test_nan_only_when_allowed():
         build_reward_fn("infinite", allow_nan=True)(_batch(), ["p"] * 3)
 
 
+def test_zero_weight_rewards_are_reported_but_stay_out_of_the_total():
+    register_reward("partial", lambda name, device: (lambda s, p, m: torch.tensor([1.0, float("nan"), 0.0])))
+    out = build_reward_fn("jpeg_compressibility:1,partial:0", allow_nan=True)(_batch(), ["p"] * 3)
+    assert out["partial"][1].isnan()
+    torch.testing.assert_close(out["total"], out["jpeg_compressibility"])
+
+
 def test_raising_reward_names_itself():
     def factory(name, device):
         def reward(samples, prompts, metadata):

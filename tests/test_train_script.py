@@ -46,12 +46,13 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
     assert max(diffs) > 0, "the exported adapter did not change the loaded transformer"
 
 
-def test_full_finetuning_with_ema_exports_both_weights(tiny_sd3, prompt_file, tmp_path):
+def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file, tmp_path):
     from genrl.checkpointing import load_trained_policy
 
     out = str(tmp_path / "full")
     run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_ema", "--ema_decay", "0.5",
-                                           "--ema_update_interval", "2", "--checkpointing_steps", "2"))
+                                           "--ema_update_interval", "2", "--checkpointing_steps", "2",
+                                           "--beta", "0.05"))
     trained = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     ema = load_file(os.path.join(out, "transformer_ema", "diffusion_pytorch_model.safetensors"))
     base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
@@ -62,6 +63,7 @@ def test_full_finetuning_with_ema_exports_both_weights(tiny_sd3, prompt_file, tm
     assert not torch.equal(ema[key], trained[key]) and not torch.equal(ema[key], base[key])
     assert json.load(open(os.path.join(out, "genrl_config.json")))["has_ema"] is True
     assert os.path.isfile(os.path.join(out, "checkpoint-4", "ema", "rank0.pt"))
+    assert metrics(out)[-1]["train/kl"] > 0, "the frozen reference copy must drift from the trained weights"
     policy = load_trained_policy(os.path.join(out, "checkpoint-4"), use_ema=True)
     loaded = dict(policy.transformer.named_parameters())[key]
     torch.testing.assert_close(loaded, ema[key])

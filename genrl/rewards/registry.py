@@ -176,7 +176,7 @@ class RewardFn:
     """Weighted sum of named rewards.
 
     ``reward_fn(samples, prompts, metadata=None)`` -> ``{name: (N,) float32 CPU, ..., "total": (N,)}``
-    with ``total = sum_i weight_i * score_i``. Attributes: ``names``, ``weights``, ``device``,
+    with ``total = sum_i weight_i * score_i`` over the nonzero weights (weight 0: reported only). Attributes: ``names``, ``weights``, ``device``,
     ``allow_nan``. A NaN score ("not applicable to this sample", e.g. a position check on a
     counting prompt) is an error unless ``allow_nan``; then it makes that sample's total NaN.
     """
@@ -221,7 +221,8 @@ class RewardFn:
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
         total = torch.zeros(n, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights):
-            total += weight * out[name]
+            if weight != 0:  # weight 0 = reported, not optimised (and a NaN there stays out of the total)
+                total += weight * out[name]
         out[_TOTAL] = total
         return out
 
