@@ -62,7 +62,8 @@ def zero_init_disabled() -> Iterator[None]:
     (even with ``zero3_init_flag: false``), and every ``from_pretrained`` then partitions the
     model across ranks: a frozen model sharded that way is slow, or hangs when ranks call it
     unevenly. transformers reads the weak reference below through
-    ``is_deepspeed_zero3_enabled()``; it is cleared for the block and restored after.
+    ``is_deepspeed_zero3_enabled()`` (the same name on 4.52+ and 5.x); it is cleared for the
+    block and restored after. Not thread-safe: build models on one thread.
     """
     import transformers.integrations.deepspeed as hf_deepspeed
 

@@ -27,6 +27,9 @@ from typing import Iterator, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+# Reward models are frozen: they are built outside ZeRO-3's partitioning (see genrl.distributed).
+from genrl.distributed import zero_init_disabled as zero3_init_disabled
+
 PEFT_PREFIX = "base_model.model."
 _TEXT_PARTS = ("embed_tokens", "layers", "norm")
 # Old key -> new key; each pattern matches old keys only, so remapping new keys is a no-op.
@@ -366,32 +369,6 @@ def vision_features(visual_output) -> torch.Tensor:
     if isinstance(visual_output, (tuple, list)) and len(visual_output) > 1 and isinstance(visual_output[1], torch.Tensor):
         return visual_output[1]  # return_dict=False on 5.x: (last_hidden_state, pooler_output)
     raise TypeError(f"Cannot find merged vision features in a {type(visual_output).__name__}.")
-
-
-@contextlib.contextmanager
-def zero3_init_disabled() -> Iterator[None]:
-    """Construct models inside this block without DeepSpeed ZeRO-3 partitioning.
-
-    transformers decides whether to wrap construction in ``deepspeed.zero.Init`` (and whether
-    ``from_pretrained`` / ``resize_token_embeddings`` take their ZeRO-3 paths) by calling
-    ``is_deepspeed_zero3_enabled()``, which reads the module-level weak reference
-    ``transformers.integrations.deepspeed._hf_deepspeed_config_weak_ref`` (set when
-    Accelerate builds an ``HfDeepSpeedConfig`` for a ZeRO-3 plugin; the same name on 4.52+
-    and 5.x). It is cleared for the block and restored afterwards, which is what Accelerate's
-    ``deepspeed_plugin.zero3_init_context_manager(enable=False)`` does too. Not thread-safe:
-    build reward models on one thread.
-    """
-    try:
-        import transformers.integrations.deepspeed as hf_deepspeed
-    except ImportError:  # pragma: no cover - transformers without its DeepSpeed integration
-        yield
-        return
-    saved = getattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", None)
-    hf_deepspeed._hf_deepspeed_config_weak_ref = None
-    try:
-        yield
-    finally:
-        hf_deepspeed._hf_deepspeed_config_weak_ref = saved
 
 
 @contextlib.contextmanager
