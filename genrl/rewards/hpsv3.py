@@ -227,12 +227,10 @@ def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "
     def build(dev: torch.device) -> HPSv3Scorer:
         return load_hpsv3_scorer(device=dev, **options)
 
-    scorer = lifecycle.get_reward_model("hpsv3", key, device, build)
+    get_scorer = lifecycle.reward_model_handle("hpsv3", key, device, build)
 
     def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
-        nonlocal scorer
-        if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
-            scorer = lifecycle.get_reward_model("hpsv3", key, device, build)
+        scorer = get_scorer()
         if prompts is None:
             raise ValueError("This reward scores images against their prompts; got prompts=None.")
         clips = prepare_images_tensor(samples)

@@ -84,6 +84,26 @@ def get_reward_model(
         return _CACHE[key]
 
 
+def reward_model_handle(
+    model_name: str, checkpoint: str, device: str | torch.device, build: Callable[[torch.device], Any]
+) -> Callable[[], Any]:
+    """Build (or fetch) the cached scorer now and return a getter for it.
+
+    The getter keeps the scorer it has while `move` / `on_device` carry it between devices
+    (a fresh cache lookup by the original device would build a second copy), and fetches a
+    new one only after `clear_reward_models` freed it (its device is then ``meta``).
+    """
+    scorer = get_reward_model(model_name, checkpoint, device, build)
+
+    def get() -> Any:
+        nonlocal scorer
+        if canonical_device(scorer.device).type == "meta":
+            scorer = get_reward_model(model_name, checkpoint, device, build)
+        return scorer
+
+    return get
+
+
 def cache_key_of(scorer: Any) -> CacheKey | None:
     """The key a scorer is cached under, or None if it is not cached."""
     with _LOCK:

@@ -355,12 +355,10 @@ def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str,
     def build(dev: torch.device) -> VideoAlignScorer:
         return load_videoalign_scorer(device=dev, **options)
 
-    scorer = lifecycle.get_reward_model("videoalign", key, device, build)
+    get_scorer = lifecycle.reward_model_handle("videoalign", key, device, build)
 
     def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
-        nonlocal scorer
-        if scorer.device.type == "meta":  # freed by lifecycle.clear_reward_models: rebuild on use
-            scorer = lifecycle.get_reward_model("videoalign", key, device, build)
+        scorer = get_scorer()
         if prompts is None:
             raise ValueError("This reward scores images against their prompts; got prompts=None.")
         clips = prepare_images_tensor(samples)
