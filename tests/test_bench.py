@@ -1,0 +1,196 @@
+"""bench/: every script runs with --quick and prints the machine line and its figures as JSON
+lines; the figures are checked for presence and consistency with the asked configuration,
+never for speed. Also the pieces the figures rest on: the analytic Wan FLOP count against
+torch's FLOP counter, the CPU peak-memory reset, shared storages counted once.
+
+The quick runs start together when the module starts (each one thread), so that the
+file's wall time is about the total CPU time over the cores, not its sum.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import ROOT, script_env
+
+BENCH = os.path.join(ROOT, "bench")
+sys.path.insert(0, BENCH)
+
+# run name -> (the "bench" its figures carry, script and arguments)
+RUNS = {
+    "rollout": ("rollout", ["bench_rollout.py", "--quick"]),
+    "train_step": ("train_step", ["bench_train_step.py", "--quick", "--families", "wan,sd3,flux"]),
+    "rewards": ("rewards", ["bench_rewards.py", "--quick"]),
+    "scaling": ("scaling", ["bench_scaling.py", "--quick"]),
+    # The two configs as two runs side by side, each one launch of 2 processes.
+    "zero2": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero2"]),
+    "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
+    "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick"]),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every quick run started at once; output goes to files (a full pipe would stall a run)."""
+    env = script_env()
+    env["CUDA_VISIBLE_DEVICES"] = ""  # --quick is the CPU check, also on a machine with a GPU
+    logs = tmp_path_factory.mktemp("bench_logs")
+    procs = {}
+    for name, (_, (script, *args)) in RUNS.items():
+        with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
+            procs[name] = subprocess.Popen([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT, env=env,
+                                           stdout=out, stderr=err, text=True)
+    yield procs, logs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def records(runs, name: str) -> tuple[dict, list[dict]]:
+    """(machine description, figure records) printed by the quick run ``name``."""
+    procs, logs = runs
+    returncode = procs[name].wait(timeout=600)
+    stdout, stderr = (logs / f"{name}.out").read_text(), (logs / f"{name}.err").read_text()
+    script = RUNS[name][1][0]
+    assert returncode == 0, f"{script} exited {returncode}:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+    lines = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    machines = [line["machine"] for line in lines if "machine" in line]
+    assert len(machines) == 1, "every script prints exactly one machine line"
+    figures = [line for line in lines if "machine" not in line]
+    assert figures, f"{script} printed no figures"
+    assert all(f["bench"] == RUNS[name][0] for f in figures)
+    return machines[0], figures
+
+
+def positive(record: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(record[key], (int, float)) and record[key] > 0, f"{key}={record.get(key)!r} in {record}"
+
+
+def test_machine_line_names_the_machine(runs):
+    machine, _ = records(runs, "rewards")
+    for key in ("platform", "cpu", "cpu_count", "torch", "diffusers", "device", "torch_threads"):
+        assert machine[key], key
+    assert machine["device"] == "cpu" and machine["torch_threads"] == 1  # OMP_NUM_THREADS=1 of the test env
+
+
+def test_rollout_figures(runs):
+    _, figures = records(runs, "rollout")
+    assert [f["family"] for f in figures] == ["wan", "sd3", "flux"]
+    for f in figures:
+        positive(f, "rollout_s", "bare_forwards_s", "encode_s", "decode_s", "samples_per_s", "overhead_ratio", "peak_mem_mb")
+        assert f["samples_per_s"] == pytest.approx(f["batch"] / f["rollout_s"], rel=1e-2)
+        assert f["overhead_ratio"] == pytest.approx(f["rollout_s"] / f["bare_forwards_s"], rel=1e-2)
+    wan, sd3, flux = figures
+    assert wan["frames"] == 5 and wan["frames_per_s"] == pytest.approx(5 * wan["samples_per_s"], rel=1e-2)
+    assert sd3["frames_per_s"] is None and sd3["frames"] == 1
+    # True CFG runs the transformer on [uncond; cond]; FLUX takes guidance as an input.
+    assert (wan["forward_batch"], sd3["forward_batch"], flux["forward_batch"]) == (4, 4, 2)
+
+
+def test_train_step_figures(runs):
+    _, figures = records(runs, "train_step")
+    assert [f["family"] for f in figures] == ["wan", "sd3", "flux"]
+    for f in figures:
+        positive(f, "ppo_step_s", "ppo_fwd_bwd_s", "optimizer_s", "bare_fwd_bwd_s", "overhead_ratio", "peak_mem_mb")
+        assert f["ppo_fwd_bwd_s"] < f["ppo_step_s"]  # the step is the forward/backward plus the optimizer
+
+
+def test_reward_figures(runs):
+    _, figures = records(runs, "rewards")
+    seen = {(f["reward"], f["layout"]) for f in figures}
+    for layout in ("image", "video"):
+        for name in ("jpeg_compressibility", "temporal_smoothness", "toy_geneval", "all"):
+            assert (name, layout) in seen
+    for f in figures:
+        positive(f, "score_s", "samples_per_s", "frames_per_s", "peak_mem_mb")
+        assert f["frames"] == (1 if f["layout"] == "image" else 5)
+
+
+def test_scaling_moves_one_axis_at_a_time(runs):
+    _, figures = records(runs, "scaling")
+    by_axis = {}
+    for f in figures:
+        by_axis.setdefault(f["axis"], []).append(f)
+        positive(f, "rollout_s", "samples_per_s", "train_step_s", "rollout_peak_mem_mb", "train_peak_mem_mb")
+    assert set(by_axis) == {"group_size", "steps", "frames", "resolution"}
+    field = {"group_size": "group_size", "steps": "steps", "frames": "frames", "resolution": "height"}
+    for axis, rows in by_axis.items():
+        assert [r["value"] for r in rows] == [r[field[axis]] for r in rows]
+        assert len({r["value"] for r in rows}) == len(rows) > 1
+
+
+def test_zero_memory_reports_every_rank_of_both_configs(runs):
+    figures = records(runs, "zero2")[1] + records(runs, "zero3")[1]
+    assert sorted((f["config"], f["rank"], f["zero_stage"]) for f in figures) == [
+        ("zero2", 0, 2), ("zero2", 1, 2), ("zero3", 0, 3), ("zero3", 1, 3)
+    ]
+    for f in figures:
+        assert f["world_size"] == 2
+        positive(f, "after_prepare_mb", "rollout_peak_mb", "train_peak_mb", "tensors_after_train_mb", "train_step_s")
+
+
+def test_h200_script_quick_run_counts_its_flops(runs):
+    from bench_h200_wan import WAN_TINY, wan_forward_flops
+
+    _, figures = records(runs, "h200_wan")
+    assert [f["phase"] for f in figures] == ["rollout", "train"]
+    rollout, train = figures
+    assert rollout["forward_flops_per_sequence"] == wan_forward_flops(WAN_TINY, tuple(rollout["latent_shape"]), rollout["text_len"])
+    assert rollout["latent_shape"] == [16, 2, 4, 4]  # 5 frames at 32x32 through the 4x/8x VAE
+    for f in figures:
+        positive(f, "mfu", "peak_mem_mb")
+    positive(rollout, "rollout_s", "samples_per_s", "frames_per_s", "bare_forwards_s")
+    positive(train, "ppo_step_s", "bare_fwd_bwd_s")
+
+
+@pytest.mark.parametrize("batch, latent_shape, text_len", [(1, (16, 2, 4, 6), 5), (3, (16, 3, 6, 4), 11)])
+def test_wan_flop_formula_matches_torch_flop_counter(batch, latent_shape, text_len):
+    """The analytic count equals the matmul + attention FLOPs torch counts on a real forward
+    (math attention, so that the attention products are counted)."""
+    from diffusers import WanTransformer3DModel
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from bench_h200_wan import WAN_TINY, wan_forward_flops
+
+    config = dict(WAN_TINY, num_layers=3, ffn_dim=40, out_channels=8)
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**config).eval()
+    x = torch.randn(batch, *latent_shape)
+    context = torch.randn(batch, text_len, config["text_dim"])
+    with torch.no_grad(), sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(hidden_states=x, timestep=torch.full((batch,), 500.0), encoder_hidden_states=context, return_dict=False)
+    assert wan_forward_flops(config, latent_shape, text_len, batch) == counter.get_total_flops()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_cpu_peak_memory_is_reset_per_block():
+    from common import PeakMemory
+
+    with PeakMemory("cpu") as first:
+        block = np.ones(200 * 2**20 // 8)  # 200 MiB, touched
+        del block
+    with PeakMemory("cpu") as second:
+        pass
+    assert first.reset and second.reset
+    assert first.peak_mb - first.start_mb > 150
+    assert second.peak_mb - second.start_mb < 50  # the first block's peak does not leak into the second
+
+
+def test_tensor_memory_counts_shared_storage_once():
+    from common import tensor_memory_mb
+
+    before = tensor_memory_mb("cpu")
+    flat = torch.zeros(10 * 2**20 // 4)  # 10 MiB
+    views = [flat[i * 1000 : (i + 1) * 1000] for i in range(20)]
+    parts = [torch.empty(0).set_(flat.untyped_storage(), 0, (1000,)) for _ in range(5)]  # same storage, new tensors
+    grown = tensor_memory_mb("cpu") - before
+    assert 9.5 < grown < 11, grown
+    del flat, views, parts
