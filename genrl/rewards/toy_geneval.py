@@ -41,9 +41,10 @@ SCORE_NAMES = ("overall", "strict") + CATEGORIES
 _MIN_SATURATION = 90
 _MIN_VALUE = 70
 _MAX_HUE_DISTANCE = 14
-# Shape thresholds, midway between the values measured on rendered scenes at 32 px:
-# vertical skewness triangle -0.64..-0.49, circle and square -0.07..0.07; bounding-box
-# fill ratio triangle 0.50..0.67, circle 0.72..0.86, square 0.96..1.
+# Shape thresholds, from the ranges measured on 3000 rendered objects at 32 px: vertical
+# skewness triangle -0.64..-0.49, circle and square -0.07..0.07 (the main cue for a
+# triangle); bounding-box fill ratio triangle 0.50..0.67, circle 0.72..0.86, square 0.96..1
+# (a blob that fills little of its box is a triangle even if a generator drew it lopsided).
 _TRIANGLE_SKEW_BELOW = -0.3
 _TRIANGLE_FILL_BELOW = 0.62
 _CIRCLE_FILL_BELOW = 0.91
@@ -72,8 +73,8 @@ _HUES = _palette_hues()
 def classify_shape(mask: np.ndarray) -> str:
     """Shape of one blob, a binary mask (H, W) cropped to its bounding box.
 
-    skew = mu03 / mu02^1.5 (vertical skewness of the blob's pixels, y down) and
-    fill = area / bounding-box area: triangle if skew <= -0.3 or fill < 0.62, else circle
+    skew = mu03 sqrt(m00) / mu02^1.5 (standardised vertical skewness of the blob's pixels,
+    y down; an upright triangle's is about -0.56) and fill = area / bounding-box area: triangle if skew <= -0.3 or fill < 0.62, else circle
     if fill < 0.91, else square.
     """
     moments = cv2.moments(mask, binaryImage=True)
