@@ -7,7 +7,9 @@ default model learns to draw), prompts their captions; a video repeats its scene
 horizontal drift of 2 pixels per frame. Per reward and layout it prints the time to build the
 reward (build_s), the first call (first_call_s), the median of the timed calls (score_s),
 samples/s, frames/s and the peak memory of scoring; a last row per layout scores every reward
-together through one ``RewardFn`` (the trainer's call).
+together through one ``RewardFn`` (the trainer's call), and a first row times
+``genrl.rewards.prepare_images`` alone, the float -> uint8 layout conversion each rule-based
+reward starts with.
 
     python bench/bench_rewards.py                    # rule-based rewards, 512 px images and 33x240x416 videos
     python bench/bench_rewards.py --quick            # CI: small inputs, seconds
@@ -70,6 +72,25 @@ def measure_reward(spec: str, samples: torch.Tensor, prompts: list[str], *, opti
     }
 
 
+def measure_layout_conversion(samples: torch.Tensor, *, device, repeats: int) -> dict:
+    """Time ``genrl.rewards.prepare_images`` (float ``(N, 3, F, H, W)`` -> uint8 ``(N, F, H, W, 3)``),
+    the conversion every rule-based reward starts with."""
+    from genrl.rewards import prepare_images
+
+    def convert():
+        return prepare_images(samples)
+
+    with PeakMemory(device) as mem:
+        first_call_s = common.time_once(convert, device)
+    score_s = time_interleaved({"convert": convert}, device, repeats)["convert"]
+    n, frames = samples.shape[0], samples.shape[2]
+    return {
+        "build_s": None, "first_call_s": first_call_s, "score_s": score_s,
+        "samples_per_s": n / score_s, "frames_per_s": n * frames / score_s,
+        "peak_mem_mb": mem.peak_mb, "start_mem_mb": mem.start_mb,
+    }
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
@@ -104,11 +125,15 @@ def main(args) -> list[dict]:
     }
     rows = []
     for layout, (samples, prompts) in layouts.items():
-        specs = names + ([",".join(names)] if len(names) > 1 else [])
+        specs = ["prepare_images"] + names + ([",".join(names)] if len(names) > 1 else [])
         for spec in specs:
-            figures = measure_reward(spec, samples, prompts, options=options, device=device, repeats=args.repeats)
+            if spec == "prepare_images":
+                figures = measure_layout_conversion(samples, device=device, repeats=args.repeats)
+            else:
+                figures = measure_reward(spec, samples, prompts, options=options, device=device, repeats=args.repeats)
             rows.append(emit({
-                "bench": "rewards", "reward": spec if spec in names else "all", "spec": spec, "layout": layout,
+                "bench": "rewards", "reward": spec if spec in names + ["prepare_images"] else "all", "spec": spec,
+                "layout": layout,
                 "samples": samples.shape[0], "frames": samples.shape[2], "height": samples.shape[3], "width": samples.shape[4],
                 **figures, "mem_kind": common.memory_kind(device),
                 "repeats": args.repeats,

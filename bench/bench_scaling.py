@@ -6,7 +6,8 @@ the measurements of bench_rollout.py (``sample_rollout`` of one prompt group of 
 and bench_train_step.py (one PPO step on the K samples' transitions at one recorded
 timestep), on one model built once. The ``processes`` axis launches bench/distributed_worker.py
 with ``accelerate launch --config_file accelerate_configs/multi_gpu.yaml --num_processes P``
-(DDP; gloo on a CPU), one group of K samples per rank, torch threads = cores / P: its
+(DDP; gloo on a CPU), one group of K samples per rank, torch threads = --threads or else
+cores / P: its
 samples_per_s is the aggregate P K / (slowest rank's rollout time), its times the slowest rank's,
 its memory the largest rank's.
 
@@ -52,7 +53,7 @@ def parse_args(argv=None):
     parser.add_argument("--guidance_scale", type=float, default=4.5)
     args = parser.parse_args(argv)
     args.scale = args.scale or ("tiny" if args.quick else "small")
-    args.repeats = args.repeats or (1 if args.quick else 2)
+    args.repeats = args.repeats or (1 if args.quick else 3)
     default_axes = [a for a in AXES if not (args.quick and a == "processes")]
     args.axes = [a.strip() for a in args.axes.split(",")] if args.axes else default_axes
     unknown = sorted(set(args.axes) - set(AXES))
@@ -97,7 +98,7 @@ def processes_point(args, base: dict, processes: int, output_dir: str) -> dict:
         "--height", str(base["resolution"]), "--width", str(base["resolution"]), "--num_frames", str(base["frames"]),
         "--rollout_repeats", str(args.repeats), "--train_steps", str(args.repeats + 1),
     ]
-    reports = common.launch_worker("multi_gpu", processes, worker_args, output_dir)
+    reports = common.launch_worker("multi_gpu", processes, worker_args, output_dir, threads_per_process=args.threads)
     rollout_s = max(r["rollout_s"] for r in reports)
     frames = reports[0]["frames"]
     samples = processes * base["group_size"]

@@ -14,7 +14,7 @@ the output, and stops there: no log-prob, no loss, no optimizer. Ratios:
 optimizer_s is the clip + AdamW step + zero_grad part of ppo_step_s. Peak memory is measured
 on the first (untimed) PPO step, whose AdamW step allocates the optimizer states.
 
-    python bench/bench_train_step.py                 # wan and sd3, small transformers (~1 min on 2 cores)
+    python bench/bench_train_step.py                 # wan, sd3, flux; small transformers (~30 s on 2 cores)
     python bench/bench_train_step.py --quick         # CI: tiny models, seconds
     python bench/bench_train_step.py --families wan --scale mid --device cuda --mixed_precision bf16
 """
@@ -139,7 +139,7 @@ def build_single_process_accelerator(device: torch.device, mixed_precision: str)
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--families", type=str, default="wan,sd3", help="Comma-separated: wan, sd3, flux.")
+    parser.add_argument("--families", type=str, default="wan,sd3,flux", help="Comma-separated: wan, sd3, flux.")
     parser.add_argument("--scale", choices=common.SCALE_NAMES, default=None, help="Transformer size (default small; tiny with --quick).")
     parser.add_argument("--batch_size", type=int, default=None, help="Samples per micro batch (default 4; 2 with --quick).")
     parser.add_argument("--num_inference_steps", type=int, default=None, help="Rollout steps (default 6; 3 with --quick).")

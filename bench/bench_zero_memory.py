@@ -15,6 +15,7 @@ weights on the tiny SD3 pipeline's text encoders and VAE.
     python bench/bench_zero_memory.py                   # zero2 and zero3, mid model (~2 min on 2 cores)
     python bench/bench_zero_memory.py --quick           # CI: tiny model (2 launches of 2 processes)
     python bench/bench_zero_memory.py --configs multi_gpu,zero2,zero3 --num_processes 4
+    python bench/bench_zero_memory.py --ds_bucket_size 20000000   # smaller DeepSpeed buckets than its 5e8 default
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ def parse_args(argv=None):
     parser.add_argument("--num_inference_steps", type=int, default=None, help="Default 4 (2 with --quick).")
     parser.add_argument("--train_steps", type=int, default=None, help="PPO steps per rank, the first untimed (default 3).")
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
+    parser.add_argument("--ds_bucket_size", type=int, default=None,
+                        help="Set DeepSpeed's reduce_bucket_size and stage3_prefetch_bucket_size (elements); default: DeepSpeed's own.")
     parser.add_argument("--output_dir", type=str, default=None, help="Where ranks write their reports (default: a temp dir).")
     parser.add_argument("--timeout", type=int, default=900, help="Seconds per launch.")
     args = parser.parse_args(argv)
@@ -61,6 +64,8 @@ def main(args) -> list[dict]:
     ]
     if args.mixed_precision:
         worker_args += ["--mixed_precision", args.mixed_precision]
+    if args.ds_bucket_size:
+        worker_args += ["--ds_bucket_size", str(args.ds_bucket_size)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
         root = args.output_dir or tmp

@@ -208,6 +208,17 @@ def current_memory_mb(device: str | torch.device) -> float:
     return kib / 2**10
 
 
+def _release_free_heap() -> None:
+    """Hand memory that is freed but kept by glibc's allocator back to the OS, so that the
+    RSS a block starts from is what is live, not what earlier, larger work left behind."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def reset_peak_memory(device: str | torch.device) -> bool:
     """Restart peak tracking; False where the CPU peak cannot be reset (it then covers the
     process lifetime)."""
@@ -215,6 +226,7 @@ def reset_peak_memory(device: str | torch.device) -> bool:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return True
+    _release_free_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # Linux >= 4.0: reset VmHWM to the current RSS

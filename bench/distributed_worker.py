@@ -55,6 +55,8 @@ def parse_args(argv=None):
     parser.add_argument("--train_steps", type=int, default=3, help="PPO steps; the first is the warm-up.")
     parser.add_argument("--rollout_repeats", type=int, default=1, help="Timed rollouts after the warm-up.")
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
+    parser.add_argument("--ds_bucket_size", type=int, default=None,
+                        help="DeepSpeed reduce_bucket_size and stage3_prefetch_bucket_size in elements (default: DeepSpeed's).")
     return parser.parse_args(argv)
 
 
@@ -65,6 +67,9 @@ def main(args) -> dict:
 
     accelerator = build_accelerator(output_dir=args.output_dir, mixed_precision=args.mixed_precision)
     configure_deepspeed(accelerator, micro_batch_size=args.batch_size, max_grad_norm=1.0)
+    if args.ds_bucket_size and accelerator.state.deepspeed_plugin is not None:
+        zero = accelerator.state.deepspeed_plugin.deepspeed_config.setdefault("zero_optimization", {})
+        zero["reduce_bucket_size"] = zero["stage3_prefetch_bucket_size"] = args.ds_bucket_size
     device = accelerator.device
     report = {
         "rank": accelerator.process_index, "world_size": accelerator.num_processes,

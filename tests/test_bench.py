@@ -106,7 +106,7 @@ def test_reward_figures(runs):
     _, figures = records(runs, "rewards")
     seen = {(f["reward"], f["layout"]) for f in figures}
     for layout in ("image", "video"):
-        for name in ("jpeg_compressibility", "temporal_smoothness", "toy_geneval", "all"):
+        for name in ("prepare_images", "jpeg_compressibility", "temporal_smoothness", "toy_geneval", "all"):
             assert (name, layout) in seen
     for f in figures:
         positive(f, "score_s", "samples_per_s", "frames_per_s", "peak_mem_mb")
