@@ -28,6 +28,8 @@ def train_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[s
         "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
         "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_inference_steps", "4",
         "--num_epochs", "3", "--checkpointing_steps", "1", "--report_to", "none", "--seed", "7",
+        # Evaluation runs on every rank in lockstep (3 batches over 2 ranks: one rank pads).
+        "--eval_prompt_dataset", prompts, "--eval_steps", "2", "--eval_batch_size", "2", "--eval_max_batches", "3",
         # A large Adam epsilon keeps updates proportional to the gradients: with the tiny
         # gradients of a random model, eps=1e-8 turns float reduction-order noise (which
         # differs between DDP and DeepSpeed) into visible weight differences.
@@ -68,8 +70,11 @@ def test_two_process_run_writes_checkpoints_and_loadable_export(runs, tiny_sd3, 
     assert changed, "training did not change any weight"
 
     lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
-    assert [l["step"] for l in lines] == [1, 2, 3]
-    assert all("reward/jpeg_compressibility_mean" in l and "train/approx_kl" in l for l in lines)
+    train_lines = [l for l in lines if "train/approx_kl" in l]
+    assert [l["step"] for l in train_lines] == [1, 2, 3]
+    assert all("reward/jpeg_compressibility_mean" in l for l in train_lines)
+    eval_steps = [l["step"] for l in lines if "eval/jpeg_compressibility_mean" in l]
+    assert eval_steps == [0, 2, 3], "evaluation before training, when step 2 is passed, and at the end"
 
 
 def test_ddp_zero2_zero3_give_the_same_weights(runs):
