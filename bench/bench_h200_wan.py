@@ -182,6 +182,11 @@ def main(args) -> list[dict]:
     from genrl.rollout import SamplingConfig
 
     device = common.setup(args)
+    if device.type != "cuda" and not args.quick and not args.num_layers:
+        raise SystemExit(
+            "bench_h200_wan.py: the full Wan2.1-1.3B run needs a GPU (hours on a CPU); use --quick, or"
+            " --num_layers 1 for a smoke test of the real width and shapes."
+        )
     mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
     weight_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     if device.type == "cuda":

@@ -8,7 +8,8 @@ MiB (2^20 bytes).
 
 Peak memory (``PeakMemory``): on CUDA, ``torch.cuda.max_memory_allocated`` (reset at the start
 of the measured block); on a CPU, the peak resident set size of the process (``VmHWM``), reset
-at the start of the block through ``/proc/self/clear_refs`` (Linux). RSS counts everything the
+at the start of the block through ``/proc/self/clear_refs`` (Linux), after ``malloc_trim`` has
+returned memory freed by earlier work to the OS. RSS counts everything the
 process holds (Python, libraries, the model), so the figure is an absolute peak, not a delta;
 ``start_mb`` gives the level it started from.
 """
@@ -303,7 +304,7 @@ def memory_kind(device: str | torch.device) -> str:
 
 # Transformer sizes on top of the tiny pipelines (genrl.tiny_pipelines): the same components,
 # text encoders and VAEs, with a larger transformer of the same family. "tiny" keeps the
-# pipeline's own transformer (~0.1-0.6 M parameters).
+# pipeline's own transformer (0.02-0.08 M parameters).
 SCALES: dict[str, dict[str, dict[str, Any]]] = {
     "wan": {
         "small": dict(num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=4, freq_dim=64),
