@@ -1,8 +1,8 @@
 """Exponential moving average of the trainable parameters, updated on an interval.
 
 The shadow is float32 whatever the training dtype. Under DeepSpeed ZeRO-3 each rank keeps
-the shadow of its own partition (``param.ds_tensor``): no full gather per update, and
-swapping in the EMA weights writes each rank's partition back in place.
+the shadow of its own partition (``param.ds_tensor``): updates need no communication. Swapping
+the EMA weights in (for evaluation and export) and out rebuilds one parameter at a time.
 """
 
 from __future__ import annotations
@@ -27,6 +27,31 @@ def ema_decay(decay: float, num_updates: int, warmup: bool) -> float:
 def _local_tensor(param: torch.nn.Parameter) -> torch.Tensor:
     """The tensor this rank owns: the ZeRO-3 partition if the parameter is partitioned."""
     return param.ds_tensor if hasattr(param, "ds_tensor") else param.data
+
+
+@torch.no_grad()
+def _write_local(params: Iterable[torch.nn.Parameter], values: Iterable[torch.Tensor]) -> None:
+    """Set each parameter to ``value``, given as the tensor this rank owns.
+
+    Under ZeRO-3 a partition cannot simply be overwritten: DeepSpeed keeps gathered copies
+    of recently used and of small ("persistent") parameters, which would go on serving the
+    old values. So each parameter is rebuilt whole, one at a time, from every rank's piece and
+    written through ``GatheredParameters(modifier_rank=0)``, which re-partitions it everywhere.
+    """
+    for p, value in zip(params, values):
+        if not hasattr(p, "ds_tensor"):
+            p.data.copy_(value.to(device=p.device, dtype=p.dtype))
+            continue
+        import deepspeed
+        import torch.distributed as dist
+
+        piece = value.to(device=p.ds_tensor.device, dtype=p.ds_tensor.dtype).contiguous()
+        pieces = [torch.empty_like(piece) for _ in range(dist.get_world_size())]
+        dist.all_gather(pieces, piece)
+        full = torch.cat(pieces)[: p.ds_numel].view(p.ds_shape)
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+            if dist.get_rank() == 0:
+                p.data.copy_(full)
 
 
 class EMA:
@@ -81,10 +106,8 @@ class EMA:
 
     @torch.no_grad()
     def copy_to(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
-        """Write the shadow into the parameters (their local partitions under ZeRO-3)."""
-        for s, p in zip(self.shadow, parameters if parameters is not None else self.params):
-            local = _local_tensor(p)
-            local.copy_(s.to(device=local.device, dtype=local.dtype))
+        """Write the shadow into the parameters (collective under ZeRO-3: call on every rank)."""
+        _write_local(parameters if parameters is not None else self.params, self.shadow)
 
     @contextmanager
     def swapped_in(self) -> Iterator[None]:
@@ -94,9 +117,7 @@ class EMA:
         try:
             yield
         finally:
-            with torch.no_grad():
-                for b, p in zip(backup, self.params):
-                    _local_tensor(p).copy_(b)
+            _write_local(self.params, backup)
 
     def state_dict(self) -> dict:
         return {

@@ -28,6 +28,8 @@ def train_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[s
         "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
         "--train_batch_size", "2", "--gradient_accumulation_steps", "2", "--num_inference_steps", "4",
         "--num_epochs", "3", "--checkpointing_steps", "1", "--report_to", "none", "--seed", "7",
+        # EMA under ZeRO-3 keeps each rank's own partition; its export must match DDP's too.
+        "--use_ema", "--ema_decay", "0.5", "--ema_update_interval", "2",
         # Evaluation runs on every rank in lockstep (3 batches over 2 ranks: one rank pads).
         "--eval_prompt_dataset", prompts, "--eval_steps", "2", "--eval_batch_size", "2", "--eval_max_batches", "3",
         # A large Adam epsilon keeps updates proportional to the gradients: with the tiny
@@ -38,8 +40,8 @@ def train_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[s
     ]
 
 
-def exported_weights(output_dir: str) -> dict[str, torch.Tensor]:
-    return load_file(os.path.join(output_dir, "transformer", "diffusion_pytorch_model.safetensors"))
+def exported_weights(output_dir: str, folder: str = "transformer") -> dict[str, torch.Tensor]:
+    return load_file(os.path.join(output_dir, folder, "diffusion_pytorch_model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -77,13 +79,16 @@ def test_two_process_run_writes_checkpoints_and_loadable_export(runs, tiny_sd3, 
     assert eval_steps == [0, 2, 3], "evaluation before training, when step 2 is passed, and at the end"
 
 
-def test_ddp_zero2_zero3_give_the_same_weights(runs):
-    reference = exported_weights(runs["multi_gpu"])
+@pytest.mark.parametrize("folder", ["transformer", "transformer_ema"])
+def test_ddp_zero2_zero3_give_the_same_weights(runs, folder):
+    reference = exported_weights(runs["multi_gpu"], folder)
     for config in ("zero2", "zero3"):
-        weights = exported_weights(runs[config])
+        weights = exported_weights(runs[config], folder)
         assert weights.keys() == reference.keys()
         diff = max((weights[k] - reference[k]).abs().max().item() for k in reference)
-        assert diff <= 1e-5, f"{config} differs from DDP by {diff}"
+        assert diff <= 1e-5, f"{config} {folder} differs from DDP by {diff}"
+    trained, ema = exported_weights(runs["zero3"]), exported_weights(runs["zero3"], "transformer_ema")
+    assert any(not torch.equal(trained[k], ema[k]) for k in trained), "the EMA export equals the trained weights"
 
 
 def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp_path):
@@ -105,6 +110,7 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
     assert not os.path.exists(os.path.join(output_dir, "transformer")), "the run finished before it was killed"
 
     run_script("train_genrl.py", args, config="zero2", num_processes=2)
-    resumed, uninterrupted = exported_weights(output_dir), exported_weights(runs["zero2"])
-    diff = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
-    assert diff <= 1e-6, f"resumed run differs from the uninterrupted one by {diff}"
+    for folder in ("transformer", "transformer_ema"):  # optimizer, scheduler and EMA state all restored
+        resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero2"], folder)
+        diff = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+        assert diff <= 1e-6, f"resumed run's {folder} differs from the uninterrupted one by {diff}"
