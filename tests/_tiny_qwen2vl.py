@@ -52,7 +52,9 @@ def tiny_config(vocab_size: int, tokenizer, *, tie: bool = False) -> Qwen2VLConf
         text_config=dict(
             vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+            # 5.x reads rope_parameters, 4.52 reads rope_scaling: give both, as real configs do across versions.
             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}, rope_theta=10000.0,
             bos_token_id=None, eos_token_id=ids("<|im_end|>"), pad_token_id=ids("<|endoftext|>"),
             tie_word_embeddings=tie, initializer_range=0.1,
         ),
@@ -117,3 +119,29 @@ def write_json(path: str, obj) -> str:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(obj, f)
     return path
+
+
+def hf_image_processor(pixels: int):
+    """transformers' own Qwen2-VL image processor at a fixed pixel budget (5.x: the PIL one;
+    4.x: the slow one, which is PIL-based too)."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:  # transformers 4.x spells the bounds min_pixels / max_pixels
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor(min_pixels=pixels, max_pixels=pixels)
+    return Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels})
+
+
+def hf_smart_resize():
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    except ImportError:  # transformers 4.x
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+    return smart_resize
+
+
+def merged(visual_output):
+    """The merged vision features as each transformers version returns them (written out here,
+    independently of genrl's own reader): 5.x an output object's pooler_output, 4.x the tensor."""
+    return visual_output if isinstance(visual_output, torch.Tensor) else visual_output.pooler_output

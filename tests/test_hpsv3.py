@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _tiny_qwen2vl import HPS_TEMPLATE, make_base_folder, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
+from _tiny_qwen2vl import HPS_TEMPLATE, hf_image_processor, make_base_folder, merged, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
 
 from genrl.rewards import lifecycle  # noqa: E402
 from genrl.rewards.hpsv3 import build_hpsv3_reward, build_rank_head, load_hpsv3_scorer, top_fraction_mean  # noqa: E402
@@ -47,9 +47,8 @@ def reference_mu_sigma(model, tokenizer, image, prompt, pixels=HPSV3_PIXELS):
     """The original HPSv3 forward, written out: transformers' image processor, the chat text by
     hand, token embeddings with merged vision features scattered into the image pads, the text
     decoder at positions arange(L) on all three M-RoPE axes, the head at <|Reward|>."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": pixels, "longest_edge": pixels})
+    processor = hf_image_processor(pixels)
     vision = processor(images=[image.numpy()], return_tensors="pt")
     pads = "<|image_pad|>" * (int(vision["image_grid_thw"].prod()) // 4)
     user = HPS_TEMPLATE.replace("{text_prompt}", prompt)
@@ -57,7 +56,7 @@ def reference_mu_sigma(model, tokenizer, image, prompt, pixels=HPSV3_PIXELS):
     ids = torch.tensor([tokenizer(chat)["input_ids"]])
     with torch.no_grad():
         embeds = model.model.language_model.embed_tokens(ids)
-        features = model.model.visual(vision["pixel_values"].float(), grid_thw=vision["image_grid_thw"]).pooler_output
+        features = merged(model.model.visual(vision["pixel_values"].float(), grid_thw=vision["image_grid_thw"]))
         embeds[ids == model.config.image_token_id] = features
         positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state

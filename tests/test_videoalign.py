@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _tiny_qwen2vl import VA_TEMPLATE, make_base_folder, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
+from _tiny_qwen2vl import VA_TEMPLATE, hf_image_processor, make_base_folder, merged, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
 
 from genrl.rewards import lifecycle  # noqa: E402
 from genrl.rewards import videoalign as va  # noqa: E402
@@ -78,9 +78,8 @@ def reference_scores(model, tokenizer, frames, prompt, head_outputs=False):
     video pixel rows assembled from transformers' image processor (frame pairs fill the two
     temporal slots), the chat text by hand, merged video features scattered into the video
     pads, positions arange(L) on all three M-RoPE axes, the linear head at VQ, MQ, TA."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    processor = Qwen2VLImageProcessorPil(size={"shortest_edge": H * W, "longest_edge": H * W})
+    processor = hf_image_processor(H * W)
     frames = list(frames) + ([frames[-1]] if len(frames) % 2 else [])
     per_frame = [processor(images=[f.numpy()], return_tensors="pt") for f in frames]
     _, gh, gw = per_frame[0]["image_grid_thw"][0].tolist()
@@ -93,7 +92,7 @@ def reference_scores(model, tokenizer, frames, prompt, head_outputs=False):
     ids = torch.tensor([tokenizer(chat)["input_ids"]])
     with torch.no_grad():
         embeds = model.model.language_model.embed_tokens(ids)
-        embeds[ids == model.config.video_token_id] = model.model.visual(pixel_values, grid_thw=grid).pooler_output
+        embeds[ids == model.config.video_token_id] = merged(model.model.visual(pixel_values, grid_thw=grid))
         positions = torch.arange(ids.shape[1]).view(1, 1, -1).expand(3, 1, -1)
         hidden = model.model.language_model(inputs_embeds=embeds, position_ids=positions).last_hidden_state[0]
         at = [(ids[0] == tokenizer.convert_tokens_to_ids(t)).nonzero().item() for t in TOKENS]
