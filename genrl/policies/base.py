@@ -106,8 +106,10 @@ class FlowPolicy:
     # ----- family-specific parts -------------------------------------------------------
 
     def pipeline_default_size(self) -> tuple[int, int, int]:
-        """(height, width, num_frames) the pipeline itself samples at by default."""
-        raise NotImplementedError
+        """(height, width, num_frames) the pipeline itself samples at by default; image
+        pipelines (SD3, FLUX): default_sample_size latent pixels times the VAE's scale."""
+        size = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
+        return size, size, 1
 
     def frozen_modules(self) -> dict[str, torch.nn.Module]:
         """Text encoders and VAE by component name."""

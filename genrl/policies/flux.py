@@ -22,10 +22,6 @@ class FluxPolicy(FlowPolicy):
     is_video = False
     uses_true_cfg = False
 
-    def pipeline_default_size(self) -> tuple[int, int, int]:
-        size = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
-        return size, size, 1
-
     @property
     def max_sequence_length(self) -> int:
         # FluxPipeline's 512 T5 tokens; a T5 tokenizer made for fewer caps it.

@@ -15,10 +15,6 @@ class SD3Policy(FlowPolicy):
     is_video = False
     uses_true_cfg = True
 
-    def pipeline_default_size(self) -> tuple[int, int, int]:
-        size = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
-        return size, size, 1
-
     @property
     def max_sequence_length(self) -> int:
         # The pipeline's 256 T5 tokens; a T5 tokenizer made for fewer caps it.
