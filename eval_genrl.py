@@ -59,8 +59,10 @@ def parse_args(input_args=None):
     parser.add_argument("--max_batches", type=int, default=8, help="Evaluate at most this many batches (0 = every prompt).")
     parser.add_argument("--batch_size", type=int, default=4, help="Prompts per batch (per forward pass).")
     parser.add_argument("--seed", type=int, default=0, help="Batch b starts from noise seeded with seed + b.")
-    parser.add_argument("--num_inference_steps", type=int, default=16)
-    parser.add_argument("--guidance_scale", type=float, default=4.5)
+    parser.add_argument("--num_inference_steps", type=int, default=None,
+                        help="Default: what the export evaluated with during training, else 16.")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="Default: what the export evaluated with during training, else 4.5.")
     parser.add_argument("--negative_prompt", type=str, default="")
     parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
     parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")
@@ -79,6 +81,13 @@ def parse_args(input_args=None):
         parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
     if args.save_samples < -1:
         parser.error(f"--save_samples must be >= 0, or -1 for all; got {args.save_samples}.")
+    # Unset settings follow the export's own in-training evaluation (model A's, else B's), so a
+    # trained model is scored the way its training run scored it.
+    trained = trained_settings(args.model) or trained_settings(args.compare)
+    fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5}
+    for key, value in fallback.items():
+        if getattr(args, key) is None:
+            setattr(args, key, trained.get(key, value))
     return args
 
 
@@ -108,13 +117,22 @@ def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch
         return policy
 
 
-def trained_reward_spec(path: str) -> str | None:
-    """The ``reward_fn`` a genrl export/checkpoint was trained with, if ``path`` is one."""
-    config = os.path.join(path, CONFIG_FILE) if os.path.isdir(path) else None
+def trained_settings(path: str | None) -> dict:
+    """How a genrl export/checkpoint evaluated during training: reward spec, steps, guidance
+    (empty for anything else)."""
+    config = os.path.join(path, CONFIG_FILE) if path and os.path.isdir(path) else None
     if config is None or not os.path.isfile(config):
-        return None
+        return {}
     with open(config) as f:
-        return json.load(f).get("reward_fn")
+        config = json.load(f)
+    trained = config.get("args", {})
+    settings = {
+        "reward_fn": trained.get("eval_reward_fn") or config.get("reward_fn"),
+        "num_inference_steps": trained.get("eval_num_inference_steps") or trained.get("num_inference_steps"),
+        "guidance_scale": trained.get("eval_guidance_scale") if trained.get("eval_guidance_scale") is not None
+        else trained.get("guidance_scale"),
+    }
+    return {k: v for k, v in settings.items() if v is not None}
 
 
 def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config):
@@ -138,7 +156,7 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
         metadata=metadata,
         keep_samples=None if args.save_samples == -1 else args.save_samples,
     )
-    result.settings.update(model=path, use_ema=args.use_ema, reward_fn=reward_fn_spec(args), mixed_precision=args.mixed_precision)
+    result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
     del policy
     gc.collect()
     if torch.cuda.is_available():
@@ -152,10 +170,6 @@ def _summary(stats: dict) -> str:
     return f"{stats['mean']:.4f} (std {stats['std']:.4f}, {stats['count']} samples)"
 
 
-def reward_fn_spec(args) -> str:
-    return args.reward_fn or trained_reward_spec(args.model) or DEFAULT_REWARD
-
-
 def main(args):
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     accelerator = build_accelerator(output_dir=args.output_dir)
@@ -166,7 +180,7 @@ def main(args):
     else:
         prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
         prompts, metadata = prompt_set.prompts, prompt_set.metadata
-    spec = reward_fn_spec(args)
+    spec = args.reward_fn
     with zero_init_disabled():
         # NaN marks a score that does not apply to a sample (e.g. a position check on a counting
         # prompt); evaluation averages over the samples it applies to.

@@ -295,3 +295,23 @@ def test_not_applicable_scores_are_left_out_of_means_and_written_as_null(policy,
     json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_nan)
     assert evaluation.score_stats([float("nan")]) == {"mean": None, "std": None, "count": 0}
     assert result.log_dict() == {"eval/total_mean": 1.0, "eval/total_std": 0.0}
+
+
+def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
+    import json
+
+    import eval_genrl
+
+    export = tmp_path / "export"
+    export.mkdir()
+    (export / "genrl_config.json").write_text(json.dumps({
+        "base_model": "unused", "reward_fn": "jpeg_compressibility",
+        "args": {"eval_reward_fn": "jpeg_incompressibility", "num_inference_steps": 7, "eval_num_inference_steps": None,
+                 "guidance_scale": 2.0, "eval_guidance_scale": None},
+    }))
+    args = eval_genrl.parse_args(["--model", str(export)])
+    assert (args.reward_fn, args.num_inference_steps, args.guidance_scale) == ("jpeg_incompressibility", 7, 2.0)
+    args = eval_genrl.parse_args(["--model", str(export), "--guidance_scale", "5", "--num_inference_steps", "3"])
+    assert (args.num_inference_steps, args.guidance_scale) == (3, 5.0)
+    args = eval_genrl.parse_args(["--model", str(tmp_path / "base"), "--compare", str(export)])
+    assert args.reward_fn == "jpeg_incompressibility", "a base model compared with an export is scored like the export"
