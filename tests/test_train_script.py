@@ -111,3 +111,25 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("train_genrl.py: error:") and "empty" in last, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("family, reward, extra", [
+    ("wan", "temporal_smoothness:1,jpeg_compressibility:0.1", ["--num_frames", "5"]),
+    ("flux", "jpeg_compressibility", ["--use_lora", "--rank", "4", "--guidance_scale", "3.5"]),
+])
+def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, extra, prompt_file, tmp_path):
+    from genrl.tiny_pipelines import save_tiny_pipeline
+
+    model = save_tiny_pipeline(family, str(tmp_path / f"tiny-{family}"))
+    out = str(tmp_path / "out")
+    args = base_args(model, prompt_file, out, "--num_epochs", "1", "--sde_window_size", "2", *extra)
+    args[args.index("--reward_fn") + 1] = reward
+    run_script("train_genrl.py", args)
+    logged = metrics(out)[-1]
+    assert logged["train/approx_kl"] >= 0 and "time/decode_s" in logged
+    for name in (r.split(":")[0] for r in reward.split(",")):
+        assert f"reward/{name}_mean" in logged
+    config = json.load(open(os.path.join(out, "genrl_config.json")))
+    assert config["family"] == family
+    exported = "pytorch_lora_weights.safetensors" if "--use_lora" in extra else "transformer"
+    assert os.path.exists(os.path.join(out, exported))
