@@ -161,6 +161,7 @@ def parse_args(argv=None):
     parser.add_argument("--eval_reward_fn", type=str, default=None,
                         help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
     parser.add_argument("--eval_log_samples", type=int, default=8, help="Evaluation samples shown in the logged grid.")
+    parser.add_argument("--eval_video_fps", type=float, default=16.0, help="Frame rate of the evaluation MP4s (video models).")
     parser.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
     parser.add_argument("--tracker_project_name", type=str, default="genrl")
     # Hub
@@ -413,7 +414,7 @@ def main(args):
         """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.evaluation import evaluate, save_image_grid, score_caption
+        from genrl.evaluation import evaluate, save_image_grid, save_videos, score_caption
 
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
@@ -429,6 +430,10 @@ def main(args):
             grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
                                    captions=captions)
             log_image(accelerator, "eval/samples", grid, global_step)
+            if policy.is_video:  # the grid shows middle frames; the clips themselves go next to it
+                videos = save_videos(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}"),
+                                     fps=args.eval_video_fps)
+                log_videos(accelerator, "eval/videos", videos, global_step)
         accelerator.print(f"eval at step {global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in values.items() if k.endswith("_mean")))
         return values
 
@@ -657,6 +662,16 @@ def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
             import wandb
 
             tracker.log({tag: wandb.Image(image)}, step=step)
+
+
+def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
+    """Send MP4s written to disk to the trackers that show videos (wandb; TensorBoard shows
+    the grid of middle frames, and the MP4s stay in --output_dir/samples)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({tag: [wandb.Video(path, format="mp4") for path in mp4_paths]}, step=step)
 
 
 if __name__ == "__main__":

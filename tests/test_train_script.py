@@ -114,7 +114,9 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path)
 
 
 @pytest.mark.parametrize("family, reward, extra", [
-    ("wan", "temporal_smoothness:1,jpeg_compressibility:0.1", ["--num_frames", "5"]),
+    ("wan", "temporal_smoothness:1,jpeg_compressibility:0.1",
+     ["--num_frames", "5", "--eval_prompt_dataset", "PROMPTS", "--eval_steps", "1", "--eval_max_batches", "1",
+      "--eval_log_samples", "2"]),
     ("flux", "jpeg_compressibility", ["--use_lora", "--rank", "4", "--guidance_scale", "3.5"]),
 ])
 def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, extra, prompt_file, tmp_path):
@@ -122,10 +124,11 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
 
     model = save_tiny_pipeline(family, str(tmp_path / f"tiny-{family}"))
     out = str(tmp_path / "out")
+    extra = [prompt_file if e == "PROMPTS" else e for e in extra]
     args = base_args(model, prompt_file, out, "--num_epochs", "1", "--sde_window_size", "2", *extra)
     args[args.index("--reward_fn") + 1] = reward
     run_script("train_genrl.py", args)
-    logged = metrics(out)[-1]
+    logged = [l for l in metrics(out) if "train/approx_kl" in l][-1]
     assert logged["train/approx_kl"] >= 0 and "time/decode_s" in logged
     for name in (r.split(":")[0] for r in reward.split(",")):
         assert f"reward/{name}_mean" in logged
@@ -133,3 +136,10 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
     assert config["family"] == family
     exported = "pytorch_lora_weights.safetensors" if "--use_lora" in extra else "transformer"
     assert os.path.exists(os.path.join(out, exported))
+    if family == "wan":  # evaluation of a video model writes playable clips beside the grid
+        from genrl.rewards.video_io import read_video
+
+        clips = sorted(os.listdir(os.path.join(out, "samples", "eval-000000")))
+        assert clips == ["00000.mp4", "00001.mp4"]
+        frames, _ = read_video(os.path.join(out, "samples", "eval-000000", clips[0]))
+        assert frames.shape[0] == 5
