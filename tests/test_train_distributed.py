@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch_command, run_script, script_env
+from conftest import ROOT, launch_command, run_script, script_env
 
 pytestmark = pytest.mark.slow
 
@@ -114,3 +114,23 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
         resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero2"], folder)
         diff = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
         assert diff <= 1e-6, f"resumed run's {folder} differs from the uninterrupted one by {diff}"
+
+
+def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
+    """The toy reward is discrete, so whole groups often score alike (zero advantage): each rank
+    drops a different number of samples, yet both must take the same optimizer steps or ZeRO-3's
+    collectives would hang (the run has a timeout)."""
+    output_dir = str(tmp_path / "filtered")
+    args = [
+        "--pretrained_model_name_or_path", os.path.join(ROOT, "genrl", "assets", "toy-shapes-t2i"),
+        "--prompt_dataset", os.path.join(ROOT, "genrl", "assets", "prompts", "toy_train.txt"),
+        "--reward_fn", "toy_geneval", "--output_dir", output_dir, "--group_size", "4",
+        "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "2", "--train_batch_size", "2",
+        "--num_inference_steps", "4", "--guidance_scale", "2", "--sde_window_size", "1",
+        "--num_epochs", "3", "--filter_zero_advantage", "--report_to", "none",
+    ]
+    run_script("train_genrl.py", args, config="zero3", num_processes=2, timeout=300)
+    lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
+    kept = [l["train/kept_fraction"] for l in lines]
+    assert len(kept) == 3 and all(0 < k <= 1 for k in kept)
+    assert min(kept) < 1, "no group had equal scores: the filter was never exercised"
