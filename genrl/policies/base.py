@@ -160,9 +160,15 @@ class FlowPolicy:
         units. With true CFG: v = v_u + g (v_c - v_u), cond and uncond in one forward."""
         raise NotImplementedError
 
+    @torch.no_grad()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Latents -> float32 ``(B, C, F, H, W)`` in [0, 1], as the pipeline decodes them."""
-        raise NotImplementedError
+        """Latents -> float32 ``(B, C, F, H, W)`` in [0, 1], as the pipeline decodes them; image
+        pipelines (SD3, FLUX): x = latents / scaling_factor + shift_factor through the VAE."""
+        vae = self.pipeline.vae
+        latents = latents.to(device=vae.device, dtype=vae.dtype)
+        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
+        image = vae.decode(latents, return_dict=False)[0]  # (B, C, H, W) in [-1, 1]
+        return (image * 0.5 + 0.5).clamp(0, 1).float().unsqueeze(2)
 
     # ----- shared parts ------------------------------------------------------------------
 

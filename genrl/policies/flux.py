@@ -84,12 +84,3 @@ class FluxPolicy(FlowPolicy):
         )[0]
         factor = self.pipeline.vae_scale_factor
         return FluxPipeline._unpack_latents(velocity.float(), h * factor, w * factor, factor)
-
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipeline.vae
-        latents = latents.to(device=vae.device, dtype=vae.dtype)
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]  # (B, C, H, W) in [-1, 1]
-        return (image * 0.5 + 0.5).clamp(0, 1).float().unsqueeze(2)
-

@@ -65,11 +65,3 @@ class SD3Policy(FlowPolicy):
             hidden_states=x, timestep=t, encoder_hidden_states=context, pooled_projections=pooled, return_dict=False
         )[0]
         return self._guided(velocity, guidance_scale) if cfg else velocity.float()
-
-    @torch.no_grad()
-    def decode(self, latents):
-        vae = self.pipeline.vae
-        latents = latents.to(device=vae.device, dtype=vae.dtype)
-        latents = latents / vae.config.scaling_factor + vae.config.shift_factor
-        image = vae.decode(latents, return_dict=False)[0]  # (B, C, H, W) in [-1, 1]
-        return (image * 0.5 + 0.5).clamp(0, 1).float().unsqueeze(2)
