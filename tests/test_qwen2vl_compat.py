@@ -412,3 +412,11 @@ def test_template_files_json_text_and_module_read_as_text(tmp_path):
         prep.resolve_prompt_template(None, [str(tmp_path)], [("no_such_pkg_xyz", "p.py")], ("HEAD",))
     with pytest.raises(ValueError, match="no special reward token"):
         prep.template_from_text("plain {text_prompt}", "test")
+
+
+def test_reward_tokens_must_fit_the_checkpoint_vocabulary():
+    tokenizer = make_tokenizer()
+    ids = prep.add_special_tokens(tokenizer, ["<|Reward|>"], vocab_size=len(tokenizer) + 1)
+    assert tokenizer.convert_ids_to_tokens(ids) == ["<|Reward|>"]
+    with pytest.raises(ValueError, match="outside the checkpoint's vocabulary"):
+        prep.add_special_tokens(make_tokenizer(), ["<|VQ|>", "<|MQ|>", "<|TA|>"], vocab_size=3)

@@ -113,13 +113,8 @@ class HPSv3Scorer:
         self.template, self.spec = template, spec
         self.device = torch.device(device)
         self.batch_size, self.pixels = int(batch_size), int(pixels)
-        self.reward_token_id = add_special_tokens(tokenizer, template.special_tokens)[0]
         vocab = model.get_input_embeddings().weight.shape[0]
-        if self.reward_token_id >= vocab:
-            raise ValueError(
-                f"Reward token {template.special_tokens[0]!r} has id {self.reward_token_id}, outside the "
-                f"checkpoint's vocabulary of {vocab}; the tokenizer does not match the checkpoint."
-            )
+        self.reward_token_id = add_special_tokens(tokenizer, template.special_tokens, vocab)[0]
         self.image_pad_token = tokenizer.convert_ids_to_tokens(model.config.image_token_id)
 
     def to(self, device: Union[str, torch.device]) -> "HPSv3Scorer":

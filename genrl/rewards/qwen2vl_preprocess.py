@@ -351,14 +351,20 @@ def load_chat_template(tokenizer, folder: Optional[str]) -> str:
     raise ValueError(f"No chat template in the tokenizer or in {folder!r} (chat_template.jinja / chat_template.json).")
 
 
-def add_special_tokens(tokenizer, tokens: Sequence[str]) -> list[int]:
-    """Add the reward tokens (as the original training code did) and return their ids."""
+def add_special_tokens(tokenizer, tokens: Sequence[str], vocab_size: int) -> list[int]:
+    """Add the reward tokens (as the original training code did) and return their ids, which
+    must fall inside the checkpoint's embedding table of ``vocab_size`` rows."""
     missing = [t for t in tokens if t not in tokenizer.get_vocab()]
     if missing:
         tokenizer.add_tokens(list(missing), special_tokens=True)  # same call on transformers 4.x and 5.x
     ids = tokenizer.convert_tokens_to_ids(list(tokens))
     if len(set(ids)) != len(ids):
         raise ValueError(f"Special reward tokens {list(tokens)} do not map to distinct ids ({ids}).")
+    if max(ids) >= vocab_size:
+        raise ValueError(
+            f"Reward tokens {list(tokens)} have ids {ids}, outside the checkpoint's vocabulary of "
+            f"{vocab_size}; the tokenizer does not match the checkpoint."
+        )
     return ids
 
 

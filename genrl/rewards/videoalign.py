@@ -205,13 +205,8 @@ class VideoAlignScorer:
         self.batch_size, self.video_fps = int(batch_size), float(video_fps)
         self.min_pixels = int(min_pixels)
         self.max_pixels = int(max_pixels if max_pixels is not None else config.max_frame_pixels)
-        self.reward_token_ids = add_special_tokens(tokenizer, template.special_tokens)
         vocab = model.get_input_embeddings().weight.shape[0]
-        if max(self.reward_token_ids) >= vocab:
-            raise ValueError(
-                f"Reward tokens {list(template.special_tokens)} have ids {self.reward_token_ids}, outside the "
-                f"checkpoint's vocabulary of {vocab}; the tokenizer does not match the checkpoint."
-            )
+        self.reward_token_ids = add_special_tokens(tokenizer, template.special_tokens, vocab)
         self.video_pad_token = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
 
     def to(self, device: Union[str, torch.device]) -> "VideoAlignScorer":
