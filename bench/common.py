@@ -196,17 +196,23 @@ def _status_kib(field: str) -> int | None:
     return None
 
 
-def current_memory_mb(device: str | torch.device) -> float:
-    """Memory held now: CUDA allocated, or the process RSS on a CPU (MiB)."""
+def _memory_mb(device: str | torch.device, cuda_bytes, status_field: str) -> float:
+    """CUDA figure via ``cuda_bytes(device)``, or a /proc/self/status field on a CPU (MiB);
+    without /proc, the process's max RSS."""
     device = torch.device(device)
     if device.type == "cuda":
-        return torch.cuda.memory_allocated(device) / 2**20
-    kib = _status_kib("VmRSS")
+        return cuda_bytes(device) / 2**20
+    kib = _status_kib(status_field)
     if kib is None:
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
     return kib / 2**10
+
+
+def current_memory_mb(device: str | torch.device) -> float:
+    """Memory held now: CUDA allocated, or the process RSS on a CPU (MiB)."""
+    return _memory_mb(device, torch.cuda.memory_allocated, "VmRSS")
 
 
 def _release_free_heap() -> None:
@@ -238,15 +244,7 @@ def reset_peak_memory(device: str | torch.device) -> bool:
 
 def peak_memory_mb(device: str | torch.device) -> float:
     """Peak since the last reset: CUDA max allocated, or the peak RSS (MiB)."""
-    device = torch.device(device)
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**20
-    kib = _status_kib("VmHWM")
-    if kib is None:
-        import resource
-
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
-    return kib / 2**10
+    return _memory_mb(device, torch.cuda.max_memory_allocated, "VmHWM")
 
 
 def tensor_memory_mb(device: str | torch.device) -> float:
