@@ -16,7 +16,6 @@ import copy
 import glob
 import json
 import logging
-import math
 import os
 import shlex
 import sys
@@ -462,7 +461,7 @@ def main(args):
             with zero_init_disabled():
                 reward_fn = build_rewards()
         scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
-        rollouts, batch_meta = [], []
+        rollouts = []
         for batch in tqdm(sampler.batches(epoch), desc=f"epoch {epoch} rollout", disable=not accelerator.is_local_main_process):
             prompts = [train_set.prompts[i] for i, _ in batch]
             metadata = [train_set.metadata[i] for i, _ in batch]

@@ -57,7 +57,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> list[dict]:
-    device = common.setup(args)
+    common.setup(args)  # threads and the machine line; the workers pick their own device
     worker_args = [
         "--family", args.family, "--scale", args.scale, "--batch_size", str(args.batch_size),
         "--num_inference_steps", str(args.num_inference_steps), "--train_steps", str(args.train_steps),

@@ -11,7 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import signal
 import socket
 import subprocess
 
@@ -70,3 +69,15 @@ def prompt_file(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("prompts") / "prompts.txt"
     path.write_text("\n".join(PROMPTS) + "\n")
     return str(path)
+
+
+@pytest.fixture
+def isolated_rewards():
+    """Rewards a test registers and models it caches are gone after it."""
+    from genrl.rewards import lifecycle, registry
+
+    saved = dict(registry._REGISTRY)
+    yield
+    registry._REGISTRY.clear()
+    registry._REGISTRY.update(saved)
+    lifecycle.clear_reward_models(cleanup=lambda: None)

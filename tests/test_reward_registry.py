@@ -14,13 +14,7 @@ from genrl.rewards.registry import build_reward_fn, known_rewards, parse_reward_
 QWEN_NAMES = ["hpsv3", "hpsv3_top30", "videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"]
 
 
-@pytest.fixture(autouse=True)
-def _isolated_registry():
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
-    lifecycle.clear_reward_models(cleanup=lambda: None)
+pytestmark = pytest.mark.usefixtures("isolated_rewards")
 
 
 def _batch(n=3, frames=2, seed=0):

@@ -4,7 +4,7 @@ import time
 import pytest
 import torch
 
-from genrl.rewards import lifecycle, registry
+from genrl.rewards import lifecycle
 from genrl.rewards.lifecycle import (
     cache_key_of,
     cached_reward_models,
@@ -17,13 +17,7 @@ from genrl.rewards.registry import build_reward_fn, register_reward
 from genrl.rewards.scoring import RewardScorer
 
 
-@pytest.fixture(autouse=True)
-def _isolated():
-    saved = dict(registry._REGISTRY)
-    yield
-    registry._REGISTRY.clear()
-    registry._REGISTRY.update(saved)
-    clear_reward_models(cleanup=lambda: None)
+pytestmark = pytest.mark.usefixtures("isolated_rewards")
 
 
 def _batch(value: float, n: int = 2) -> torch.Tensor:

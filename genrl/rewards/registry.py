@@ -35,7 +35,6 @@ on the CPU) or in any layout `genrl.rewards.layouts.prepare_images` accepts; rew
 from __future__ import annotations
 
 import importlib
-import math
 import re
 import threading
 from typing import Any, Callable, Mapping, Sequence, Union
