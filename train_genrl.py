@@ -102,6 +102,13 @@ def parse_args(argv=None):
                         help="Window start is drawn per prompt in [LO, HI - size].")
     parser.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
                         help="All K samples of a prompt start from the same noise.")
+    # Objective
+    parser.add_argument("--objective", choices=["grpo", "nft", "awm"], default="grpo",
+                        help="grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
+                             "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
+                             "samples noised again (any sampler, no log-probs).")
+    parser.add_argument("--nft_beta", type=float, default=1.0,
+                        help="NFT's step size beta: how far the implicit positive/negative policies sit from the sampling one.")
     # GRPO
     parser.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
     parser.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
@@ -110,7 +117,9 @@ def parse_args(argv=None):
     parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
                         help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
     parser.add_argument("--num_inner_epochs", type=int, default=1, help="Passes over an epoch's samples.")
-    parser.add_argument("--timestep_fraction", type=float, default=1.0, help="Fraction of the stochastic steps trained on.")
+    parser.add_argument("--timestep_fraction", type=float, default=1.0,
+                        help="Fraction of the timesteps trained on per sample: of the stochastic steps (grpo), "
+                             "of the sampling steps (nft, awm).")
     parser.add_argument("--no_timestep_shuffle", action="store_true", help="Train on the first steps, in order.")
     parser.add_argument("--clip_range", type=float, default=1e-3)
     parser.add_argument("--adv_clip_max", type=float, default=5.0)
@@ -211,6 +220,13 @@ def validate_args(args) -> None:
     )
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")
+    if args.objective == "grpo" and not args.noise_level > 0:
+        raise ValueError(
+            f"--objective grpo trains on stochastic steps and needs --noise_level > 0 (got {args.noise_level}); "
+            "--objective nft or awm train with any sampler, deterministic included."
+        )
+    if args.objective == "nft" and not args.nft_beta > 0:
+        raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
     if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
         raise ValueError(
             f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
@@ -235,23 +251,26 @@ def load_reward_options(value: str | None) -> dict:
     return json.loads(value)
 
 
-def num_stochastic_steps(args) -> int:
-    """Recorded steps per trajectory: the window, or every step but the last (sigma' = 0)."""
-    return args.sde_window_size or (args.num_inference_steps - 1)
+def num_trained_timesteps(args) -> int:
+    """Timesteps each sample trains on: a fraction of the recorded SDE steps (grpo: the window,
+    or every step but the last, sigma' = 0) or of the sampling steps (nft, awm)."""
+    steps = (args.sde_window_size or args.num_inference_steps - 1) if args.objective == "grpo" else args.num_inference_steps
+    return max(1, int(steps * args.timestep_fraction + 1e-6))
 
 
 def main(args):
+    launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
     from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
     from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
     from genrl.data import load_prompts
     from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
     from genrl.ema import EMA
-    from genrl.grpo import grpo_loss, select_train_timesteps
+    from genrl.grpo import select_train_timesteps
+    from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
     from genrl.policies import load_policy
     from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
-    from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout, step_log_prob
+    from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
     from genrl.sampler import PromptGroupSampler
-    from genrl.sde import kl_between_means
     from genrl.seeding import mix_seeds
 
     # ---- Data (before anything heavy: an empty or missing prompt set fails in a second) ------
@@ -264,7 +283,7 @@ def main(args):
         raise SystemExit(f"train_genrl.py: error: {e}")
 
     # ---- Accelerator -------------------------------------------------------------------
-    n_train_steps = max(1, int(num_stochastic_steps(args) * args.timestep_fraction + 1e-6))
+    n_train_steps = num_trained_timesteps(args)
     accelerator = build_accelerator(
         output_dir=args.output_dir,
         logging_dir=args.logging_dir,
@@ -423,6 +442,7 @@ def main(args):
                 metadata=eval_set.metadata, keep_samples=args.eval_log_samples,
             )
         values = result.log_dict("eval")
+        values["time/elapsed_s"] = time.perf_counter() - launch_time
         log(values, global_step, epoch)
         if accelerator.is_main_process and result.samples is not None:
             captions = [r["prompt"] + ": " + score_caption(r["scores"]) for r in result.per_prompt[: len(result.samples)]]
@@ -509,71 +529,65 @@ def main(args):
         epoch_logs["train/advantage_abs_mean"] = advantages.abs().mean().item()
         epoch_logs["train/kept_fraction"] = keep.float().mean().item()
 
-        # 3. Policy update on the recorded transitions.
+        # 3. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
+        #    noised again by the forward process (nft, awm).
         model.train()
         t0 = time.perf_counter()
         generator = torch.Generator().manual_seed(mix_seeds(args.seed, epoch, accelerator.process_index, 7))
-        step_stats, grad_norms = [], []
         micro = args.train_batch_size
+        forward_batch = None
+        if args.objective != "grpo":
+            schedule = policy.timesteps_and_sigmas(args.num_inference_steps, rollout.final_latents, device)
+            forward_batch = draw_forward_batch(rollout, *schedule, n_train_steps, seed=args.seed, epoch=epoch)
+            if args.objective == "nft":  # the sampling policy's velocities, before the weights move
+                model.eval()
+                fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
+                model.train()
+        step_stats, grad_norms = [], []
         progress = tqdm(total=args.num_inner_epochs * len(kept) // micro, desc=f"epoch {epoch} update",
                         disable=not accelerator.is_local_main_process)
-        stop = False
+        reached_max_steps = False
         for _ in range(args.num_inner_epochs):
             order = kept[torch.randperm(len(kept), generator=generator)]
-            train_steps = select_train_timesteps(
-                len(order), rollout.log_probs.shape[1], args.timestep_fraction, generator, shuffle=not args.no_timestep_shuffle
-            )
-            for start in range(0, len(order), micro):
+            if args.objective == "grpo":
+                train_steps = select_train_timesteps(
+                    len(order), rollout.num_steps, args.timestep_fraction, generator, shuffle=not args.no_timestep_shuffle
+                )
+            for start, j in [(start, j) for start in range(0, len(order), micro) for j in range(n_train_steps)]:
                 idx = order[start : start + micro]
-                for j in range(n_train_steps):
-                    s = train_steps[start : start + micro, j]
-                    with accelerator.accumulate(model):
-                        embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
-                        out = step_log_prob(
-                            policy, model, rollout.latents[idx, s], rollout.next_latents[idx, s],
-                            rollout.timesteps[idx, s], rollout.sigmas[idx, s], rollout.sigmas_next[idx, s],
-                            embeds, config=sampling, sigma_max=rollout.sigma_max,
+                with accelerator.accumulate(model):
+                    if args.objective == "grpo":
+                        loss, stats = grpo_step_loss(
+                            policy, model, rollout, idx, train_steps[start : start + micro, j], local_adv,
+                            config=sampling, clip_range=args.clip_range, beta=args.beta, frozen_reference=ref_transformer,
                         )
-                        kl = None
-                        if args.beta > 0:
-                            with torch.no_grad():
-                                if args.use_lora:
-                                    accelerator.unwrap_model(model).disable_adapters()
-                                ref = step_log_prob(
-                                    policy, ref_transformer if ref_transformer is not None else model,
-                                    rollout.latents[idx, s], rollout.next_latents[idx, s], rollout.timesteps[idx, s],
-                                    rollout.sigmas[idx, s], rollout.sigmas_next[idx, s], embeds,
-                                    config=sampling, sigma_max=rollout.sigma_max,
-                                )
-                                if args.use_lora:
-                                    accelerator.unwrap_model(model).enable_adapters()
-                            kl = kl_between_means(out.mean, ref.mean, out.std)
-                        loss, stats = grpo_loss(
-                            out.log_prob, rollout.log_probs[idx, s].to(out.log_prob.device),
-                            local_adv[idx].to(out.log_prob.device), args.clip_range, kl=kl, beta=args.beta,
+                    else:
+                        loss, stats = forward_step_loss(
+                            policy, model, forward_batch, rollout.embeds, idx, j, local_adv, objective=args.objective,
+                            guidance_scale=args.guidance_scale, adv_clip_max=args.adv_clip_max, nft_beta=args.nft_beta,
+                            beta=args.beta, frozen_reference=ref_transformer,
                         )
-                        accelerator.backward(loss)
-                        if accelerator.sync_gradients:
-                            norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                            if norm is not None:
-                                grad_norms.append(float(norm))
-                        optimizer.step()
-                        lr_scheduler.step()
-                        optimizer.zero_grad()
-                    step_stats.append({k: float(v) for k, v in stats.items()})
+                    accelerator.backward(loss)
                     if accelerator.sync_gradients:
-                        global_step += 1
-                        if ema is not None:
-                            ema.step(global_step)
-                        if args.max_train_steps is not None and global_step >= args.max_train_steps:
-                            stop = True
+                        norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                        if norm is not None:
+                            grad_norms.append(float(norm))
+                    optimizer.step()
+                    lr_scheduler.step()
+                    optimizer.zero_grad()
+                step_stats.append({k: float(v) for k, v in stats.items()})
                 if accelerator.sync_gradients:
+                    global_step += 1
                     progress.update(args.gradient_accumulation_steps)
-                if stop:
-                    break
-            if stop:
+                    if ema is not None:
+                        ema.step(global_step)
+                    if args.max_train_steps is not None and global_step >= args.max_train_steps:
+                        reached_max_steps = True
+                        break
+            if reached_max_steps:
                 break
         progress.close()
+        del forward_batch
         timings["time/train_s"] = time.perf_counter() - t0
 
         # 4. Log, evaluate, checkpoint.
@@ -585,12 +599,13 @@ def main(args):
         epoch_logs["train/lr"] = lr_scheduler.get_last_lr()[0]
         epoch_logs["memory/peak_gb"] = peak_memory_gb(device)
         epoch_logs.update(timings)
+        epoch_logs["time/elapsed_s"] = time.perf_counter() - launch_time
         log(epoch_logs, global_step, epoch)
         accelerator.print(
             f"epoch {epoch} step {global_step}: "
             + ", ".join(f"{k.split('/')[1]}={epoch_logs[k]:.4f}" for k in epoch_logs if k.startswith("reward/") and k.endswith("_mean"))
         )
-        done = stop or epoch == args.num_epochs - 1
+        done = reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
@@ -607,7 +622,7 @@ def main(args):
                 checkpoint_pushes.append(
                     push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
                 )
-        if stop:
+        if reached_max_steps:
             break
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------

@@ -69,6 +69,8 @@ class Rollout:
     step_indices: ``(B, S)`` long, which denoising step each record is.
     sigma_max: the schedule's second sigma (see ``genrl.sde.flow_sde_std``).
     embeds: the prompt embeddings, ``(B, ...)`` each.
+    final_latents: ``(B, ...)`` float32, the clean latents x0 the sampler ended at (what the
+        likelihood-free objectives train on).
     samples: decoded ``(B, C, F, H, W)`` float in [0, 1], on the CPU.
     decode_seconds: time spent in the VAE decode (summed when rollouts are joined).
     """
@@ -84,6 +86,7 @@ class Rollout:
     step_indices: torch.Tensor
     sigma_max: float
     embeds: dict[str, torch.Tensor] = field(default_factory=dict)
+    final_latents: torch.Tensor | None = None
     samples: torch.Tensor | None = None
     decode_seconds: float = 0.0
 
@@ -135,9 +138,14 @@ def sample_rollout(
     epoch: int,
     config: SamplingConfig,
     device: torch.device | str,
+    initial_latents: torch.Tensor | None = None,
 ) -> Rollout:
     """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
-    with ``transformer`` and record every stochastic step. Decoded samples land on the CPU."""
+    with ``transformer`` and record every stochastic step. Decoded samples land on the CPU.
+
+    ``initial_latents`` ``(B, *latent_shape)`` replaces the per-sample initial noise (evaluation
+    draws its own, sequentially from one generator); the SDE noise still comes from the
+    per-sample generators."""
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
@@ -149,7 +157,13 @@ def sample_rollout(
     sample_ids = list(zip(prompts, group_indices))
     latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in sample_ids]
     noise_generators = [noise_generator(p, seed, epoch, k) for p, k in sample_ids]
-    latents = policy.prepare_latents(latent_generators, height, width, num_frames, device)
+    if initial_latents is None:
+        latents = policy.prepare_latents(latent_generators, height, width, num_frames, device)
+    else:
+        expected = (batch, *policy.latent_shape(height, width, num_frames))
+        if tuple(initial_latents.shape) != expected:
+            raise ValueError(f"initial_latents must be {expected}, got {tuple(initial_latents.shape)}.")
+        latents = initial_latents.to(device=device, dtype=torch.float32)
     timesteps, sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, device)
     sigma_max = float(sigmas[1])
     stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config)
@@ -184,8 +198,9 @@ def sample_rollout(
     samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
     decode_seconds = time.perf_counter() - decode_start
     state_shape = latents.shape[1:]
-    del latents, next_latents, velocity
+    del next_latents, velocity
     rollout = _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
+    rollout.final_latents = latents
     rollout.decode_seconds = decode_seconds
     return rollout
 
@@ -283,7 +298,7 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             joined[f.name] = [v for value in values for v in value]
         elif f.name == "embeds":
             joined[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
-        elif f.name == "samples":
+        elif f.name in ("samples", "final_latents"):
             joined[f.name] = None if values[0] is None else torch.cat(values)
         elif f.name == "decode_seconds":
             joined[f.name] = sum(values)

@@ -35,7 +35,7 @@ def prompt_seed(prompt: str, seed: int, epoch: int) -> int:
 
 
 # Salts separating the independent random streams of one sample.
-_LATENT, _NOISE, _WINDOW = 1, 2, 3
+_LATENT, _NOISE, _WINDOW, _FORWARD = 1, 2, 3, 4
 
 
 def _generator(seed: int) -> torch.Generator:
@@ -58,6 +58,12 @@ def window_generator(prompt: str, seed: int, epoch: int) -> torch.Generator:
     """Generator of a prompt's SDE-window start: shared by its group, so that the K samples
     compared by GRPO are stochastic on the same steps."""
     return _generator(mix_seeds(prompt_seed(prompt, seed, epoch), _WINDOW))
+
+
+def forward_generator(prompt: str, seed: int, epoch: int, index: int) -> torch.Generator:
+    """Generator of a sample's forward-process draws (trained timesteps and noise) in the
+    likelihood-free objectives: distinct for every sample, independent of the batch layout."""
+    return _generator(mix_seeds(prompt_seed(prompt, seed, epoch), _FORWARD, index))
 
 
 def randn_per_sample(

@@ -176,6 +176,12 @@ class FlowPolicy:
         """Whether sampling at ``guidance_scale`` runs the unconditional branch too."""
         return self.uses_true_cfg and guidance_scale > 1.0
 
+    def conditional_guidance(self, guidance_scale: float) -> float:
+        """The ``guidance_scale`` that makes ``predict_velocity`` return the conditional velocity
+        alone (the likelihood-free objectives train it): 1 for true-CFG families; guidance-
+        distilled ones (FLUX) keep the scale they sample with, since it is a model input."""
+        return 1.0 if self.uses_true_cfg else guidance_scale
+
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "FlowPolicy":
         """Move the frozen parts (text encoders, VAE) to ``device`` (and ``dtype``), freeze them
         and put them in eval mode. The transformer is left alone: the trainer prepares it."""

@@ -1,0 +1,145 @@
+"""Per-micro-batch losses of each objective on tiny models of every family: what the
+likelihood-free objectives train on, and that they are on-policy at the start of an epoch."""
+
+import pytest
+import torch
+
+from genrl.nft import awm_loss, forward_noise
+from genrl.objectives import (
+    draw_forward_batch,
+    fill_old_velocity,
+    forward_step_loss,
+    grpo_step_loss,
+    reference_model,
+)
+from genrl.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
+from genrl.tiny_pipelines import FAMILIES, build_tiny_policy
+
+torch.set_num_threads(2)
+
+PROMPTS = ["a red circle", "a red circle", "two blue squares below a tree", "a green triangle"]
+GROUP_INDICES = [0, 1, 0, 0]
+
+
+@pytest.fixture(scope="module")
+def policies():
+    return {family: build_tiny_policy(family).to("cpu") for family in FAMILIES}
+
+
+def _rollout(policy, guidance_scale=3.0, noise_level=0.0, steps=4):
+    config = SamplingConfig(num_inference_steps=steps, guidance_scale=guidance_scale, noise_level=noise_level, same_latent=False)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=3, epoch=1, config=config, device="cpu")
+    return rollout, config
+
+
+def test_rollout_keeps_the_clean_latents_it_decoded(policies):
+    policy = policies["sd3"]
+    rollout, _ = _rollout(policy)
+    assert rollout.final_latents.shape == (4, *policy.latent_shape(32, 32, 1))
+    torch.testing.assert_close(policy.decode(rollout.final_latents[:1]), rollout.samples[:1])
+
+
+def test_forward_batch_draws_depend_on_the_sample_not_the_batch(policies):
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    whole = draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1)
+    parts = [draw_forward_batch(index_rollout(rollout, i), *schedule, 3, seed=0, epoch=1) for i in ([0, 1], [2, 3])]
+    for name in ("noise", "noisy", "sigmas", "timesteps"):
+        assert torch.equal(getattr(whole, name), torch.cat([getattr(p, name) for p in parts])), name
+    # Distinct steps of the schedule (never the final sigma 0), noised by the forward process.
+    timesteps, sigmas = schedule
+    assert whole.sigmas.shape == (4, 3) and (whole.sigmas > 0).all()
+    for row in range(4):
+        assert len(set(whole.sigmas[row].tolist())) == 3
+        assert set(whole.sigmas[row].tolist()) <= set(sigmas[:-1].tolist())
+    torch.testing.assert_close(whole.timesteps, whole.sigmas * 1000)
+    expected = forward_noise(rollout.final_latents[2], whole.noise[2, 1][None], whole.sigmas[2, 1][None])[0]
+    torch.testing.assert_close(whole.noisy[2, 1], expected)
+    # The same sample in another epoch draws other timesteps and noise.
+    other = draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=2)
+    assert not torch.equal(other.noise, whole.noise)
+    with pytest.raises(ValueError, match="num_timesteps"):
+        draw_forward_batch(rollout, *schedule, 5, seed=0, epoch=1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, policies):
+    """fill_old_velocity and forward_step_loss must ask for the same (conditional) velocity:
+    the old policy is the current one, so the deviation is 0 and the gradient is AWM's."""
+    policy = policies[family]
+    rollout, config = _rollout(policy, guidance_scale=3.0)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    batch = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1)
+    order = [torch.tensor([2, 0]), torch.tensor([1, 3])]
+    fill_old_velocity(policy, policy.transformer, batch, rollout.embeds, order, config.guidance_scale)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    idx = torch.tensor([0, 3])
+    loss, stats = forward_step_loss(
+        policy, policy.transformer, batch, rollout.embeds, idx, 1, advantages,
+        objective="nft", guidance_scale=config.guidance_scale, adv_clip_max=5.0,
+    )
+    assert torch.isfinite(loss) and stats["old_deviation"].item() < 1e-10
+    policy.transformer.zero_grad()
+    loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.transformer.parameters())
+    policy.transformer.zero_grad()
+
+
+def test_awm_step_is_the_advantage_weighted_flow_matching_loss(policies):
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy, guidance_scale=3.0)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    batch = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    idx = torch.tensor([1, 2])
+    with torch.no_grad():
+        loss, _ = forward_step_loss(
+            policy, policy.transformer, batch, rollout.embeds, idx, 0, advantages,
+            objective="awm", guidance_scale=config.guidance_scale, adv_clip_max=5.0,
+        )
+        embeds = {k: v[idx] for k, v in rollout.embeds.items()}
+        velocity = policy.predict_velocity(policy.transformer, batch.noisy[idx, 0], batch.timesteps[idx, 0], embeds, 1.0)
+        expected, _ = awm_loss(velocity, batch.noisy[idx, 0], batch.clean[idx], batch.noise[idx, 0], advantages[idx])
+    torch.testing.assert_close(loss, expected)
+
+
+def test_nft_without_old_velocities_fails_with_a_sentence(policies):
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    batch = draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1)
+    with pytest.raises(ValueError, match="fill_old_velocity"):
+        forward_step_loss(policy, policy.transformer, batch, rollout.embeds, torch.tensor([0]), 0, torch.zeros(4),
+                          objective="nft", guidance_scale=3.0, adv_clip_max=5.0)
+
+
+def test_reference_model_switches_the_adapter_back_on_even_after_an_error():
+    from peft import LoraConfig
+
+    policy = build_tiny_policy("sd3")
+    transformer = policy.transformer
+    transformer.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", target_modules=["to_q"]))
+    lora_layer = next(m for name, m in transformer.named_modules() if name.endswith("to_q"))
+    assert not lora_layer.disable_adapters
+    with pytest.raises(RuntimeError):
+        with reference_model(transformer, None) as ref:
+            assert ref is transformer and lora_layer.disable_adapters
+            raise RuntimeError("boom")
+    assert not lora_layer.disable_adapters
+    frozen = object()
+    with reference_model(transformer, frozen) as ref:
+        assert ref is frozen and not lora_layer.disable_adapters
+
+
+def test_grpo_step_loss_ratio_is_one_on_the_recorded_transitions(policies):
+    policy = policies["wan"]
+    rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)
+    joined = concat_rollouts([index_rollout(rollout, [0, 1]), index_rollout(rollout, [2, 3])])
+    loss, stats = grpo_step_loss(
+        policy, policy.transformer, joined, torch.tensor([3, 1]), torch.tensor([0, 2]), torch.tensor([1.0, 2.0, 3.0, 4.0]),
+        config=config, clip_range=1e-3,
+    )
+    assert stats["ratio_max"].item() == pytest.approx(1.0, abs=1e-4)
+    assert stats["ratio_min"].item() == pytest.approx(1.0, abs=1e-4)
+    assert loss.item() == pytest.approx(-3.0, rel=1e-3)  # -mean(A * ratio) over samples 3 and 1
