@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 from genrl.policies.base import FlowPolicy
 from genrl.rewards.layouts import prepare_images_tensor
 from genrl.rewards.video_io import write_video
-from genrl.rollout import SamplingConfig
+from genrl.rollout import SamplingConfig, sample_rollout
 
 
 def make_eval_generator() -> torch.Generator:
@@ -97,12 +97,6 @@ def batches_of_process(num_batches: int, process_index: int, num_processes: int)
     return own + [None] * (rounds - len(own))
 
 
-def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor) -> torch.Tensor:
-    """Deterministic flow-matching step, float32: x' = x + v (sigma' - sigma)
-    (the SDE step of ``genrl.sde`` at noise level 0)."""
-    return latents.float() + velocity.float() * (sigma_next - sigma)
-
-
 @torch.no_grad()
 def sample_deterministic(
     policy: FlowPolicy,
@@ -113,22 +107,20 @@ def sample_deterministic(
     config: SamplingConfig,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """ODE-sample ``prompts``; sample j starts from the j-th draw of ``generator`` (CPU).
+    """ODE-sample ``prompts`` with the trainer's denoising loop at noise level 0; sample j
+    starts from the j-th draw of ``generator`` (CPU).
 
     Returns decoded float ``(B, C, F, H, W)`` in [0, 1] on the CPU, decoded one sample at a
     time (bounded VAE memory; no device tensor outlives the call).
     """
     batch = len(prompts)
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
-    embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
     latents = policy.prepare_latents([generator] * batch, height, width, num_frames, device)
-    timesteps, sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, device)
-    for i in range(len(timesteps)):
-        velocity = policy.predict_velocity(transformer, latents, timesteps[i].expand(batch), embeds, config.guidance_scale)
-        latents = euler_step(latents, velocity, sigmas[i], sigmas[i + 1])
-    samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
-    del latents, embeds
-    return samples
+    ode = dataclasses.replace(config, noise_level=0.0, sde_window_size=0, sde_window_range=(0, None))
+    rollout = sample_rollout(
+        policy, transformer, prompts, [0] * batch, seed=0, epoch=0, config=ode, device=device, initial_latents=latents
+    )
+    return rollout.samples
 
 
 def score_stats(values: Sequence[float]) -> dict[str, float | int | None]:

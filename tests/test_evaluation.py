@@ -135,6 +135,26 @@ def test_one_generator_per_evaluation_reseeded_with_seed_plus_batch(policy, rewa
     assert not torch.equal(two_batches.samples[0], two_batches.samples[1])
 
 
+def test_evaluation_samples_are_the_plain_euler_ode_of_the_training_loop(policy):
+    """Evaluation runs the trainer's denoising loop at noise level 0: x' = x + v (sigma' - sigma)
+    from the generator's sequential draws, written out here independently."""
+    prompts = PROMPTS[:2]
+    config = SamplingConfig(num_inference_steps=3, guidance_scale=3.0, noise_level=0.9, sde_window_size=1)
+    samples = evaluation.sample_deterministic(
+        policy, policy.transformer, prompts, torch.Generator().manual_seed(5), config=config, device="cpu"
+    )
+    height, width, frames = policy.resolve_size(None, None, None)
+    generator = torch.Generator().manual_seed(5)
+    x = torch.stack([torch.randn(policy.latent_shape(height, width, frames), generator=generator) for _ in prompts])
+    embeds = policy.encode_prompts(prompts, "cpu", 3.0)
+    timesteps, sigmas = policy.timesteps_and_sigmas(3, x, "cpu")
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            x = x + policy.predict_velocity(policy.transformer, x, t.expand(2), embeds, 3.0) * (sigmas[i + 1] - sigmas[i])
+        expected = torch.cat([policy.decode(x[b : b + 1]) for b in range(2)])
+    torch.testing.assert_close(samples, expected, rtol=0, atol=1e-6)
+
+
 def test_noise_level_of_the_training_config_is_ignored(policy, reward_fn):
     deterministic = SamplingConfig(num_inference_steps=3, guidance_scale=3.0, noise_level=0.0)
     a = _evaluate(policy, reward_fn, max_batches=1)
