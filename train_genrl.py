@@ -222,8 +222,11 @@ def validate_args(args) -> None:
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
+    # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
+    # a relative one would be resolved against it a second time (genrl-output/genrl-output/...).
+    args.output_dir = os.path.abspath(args.output_dir)
     if args.push_to_hub and not args.hub_model_id:
-        args.hub_model_id = os.path.basename(os.path.abspath(args.output_dir))
+        args.hub_model_id = os.path.basename(args.output_dir)
 
 
 def load_reward_options(value: str | None) -> dict:
