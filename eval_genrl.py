@@ -164,6 +164,12 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
     return result
 
 
+def model_label(path: str) -> str:
+    """A model's name in the comparison: its folder's name (``.`` and ``runs/x/`` too), or the
+    last part of a Hub id."""
+    return os.path.basename(os.path.abspath(path))
+
+
 def _summary(stats: dict) -> str:
     if stats["mean"] is None:
         return "not applicable to any sample"
@@ -215,7 +221,7 @@ def main(args):
                 result_a,
                 result_b,
                 args.output_dir,
-                labels=(os.path.basename(os.path.normpath(args.model)), os.path.basename(os.path.normpath(args.compare))),
+                labels=(model_label(args.model), model_label(args.compare)),
                 video_dirs=("model_a/videos", "model_b/videos"),
             )
         for name, stats in result_a.metrics.items():

@@ -26,6 +26,8 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
+from genrl.redact import redact_args, redact_argv
+
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
 DEFAULT_TRAIN_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_train.txt")
@@ -238,8 +240,11 @@ def validate_args(args) -> None:
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
+    # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
+    # a relative one would be resolved against it a second time (genrl-output/genrl-output/...).
+    args.output_dir = os.path.abspath(args.output_dir)
     if args.push_to_hub and not args.hub_model_id:
-        args.hub_model_id = os.path.basename(os.path.abspath(args.output_dir))
+        args.hub_model_id = os.path.basename(args.output_dir)
 
 
 def load_reward_options(value: str | None) -> dict:
@@ -395,14 +400,18 @@ def main(args):
         num_frames=args.num_frames,
         negative_prompt=args.negative_prompt,
     )
+    # The token lives on in args.hub_token for the push alone: the command line and the
+    # arguments are recorded redacted (config, card, trackers), and libraries that read
+    # sys.argv themselves (wandb records it) see it redacted too.
+    sys.argv[:] = redact_argv(sys.argv)
     run_config = {
         "base_model": os.path.abspath(args.pretrained_model_name_or_path)
         if os.path.isdir(args.pretrained_model_name_or_path)
         else args.pretrained_model_name_or_path,
         "family": policy.family,
         "reward_fn": args.reward_fn,
-        "launch_command": "accelerate launch " + " ".join(shlex.quote(a) for a in sys.argv),
-        "args": {k: v for k, v in vars(args).items() if k != "hub_token"},
+        "launch_command": "accelerate launch " + shlex.join(sys.argv),
+        "args": redact_args(vars(args)),
     }
 
     # ---- Resume ---------------------------------------------------------------------------
@@ -416,8 +425,7 @@ def main(args):
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
 
     if accelerator.is_main_process:
-        tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in vars(args).items()}
-        tracker_config.pop("hub_token", None)
+        tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in run_config["args"].items()}
         accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
     metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
 

@@ -12,11 +12,15 @@ A checkpoint also holds Accelerate's ``save_state`` files (model, optimizer, sch
 states), ``genrl_state.json`` (step and epoch) and ``ema/rank<r>.pt`` (each rank's shadow).
 A checkpoint is written to ``<name>.tmp`` and renamed when complete, so a run killed while
 saving never leaves a half checkpoint that ``--resume_from_checkpoint latest`` would pick.
+Older checkpoints are pruned to ``--checkpoints_total_limit`` only after that rename, and a
+save that fails (a full disk included) removes its ``.tmp``: the last good checkpoint is
+never lost to a save that did not finish.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
@@ -59,14 +63,57 @@ def resolve_resume_path(output_dir: str, resume_from_checkpoint: str | None) -> 
     return resume_from_checkpoint
 
 
-def prune_checkpoints(output_dir: str, total_limit: int | None) -> None:
-    """Remove the oldest checkpoints so that, with the one about to be saved, at most
-    ``total_limit`` remain (the diffusers examples' rule). Main process only."""
+def prune_checkpoints(output_dir: str, total_limit: int | None, keep: str | None = None) -> None:
+    """Remove the oldest complete checkpoints so that at most ``total_limit`` remain, never
+    ``keep`` (the one just saved). Call it after a save has completed, so that a failed save
+    still leaves the previous checkpoint. Main process only."""
     if not total_limit:
         return
     found = checkpoint_dirs(output_dir)
-    for path in found[: max(0, len(found) - total_limit + 1)]:
+    removable = [path for path in found if keep is None or os.path.abspath(path) != os.path.abspath(keep)]
+    for path in removable[: max(0, len(found) - total_limit)]:
         shutil.rmtree(path, ignore_errors=True)
+
+
+class CheckpointSaveError(RuntimeError):
+    """Saving a checkpoint failed; its ``.tmp`` was removed and the older checkpoints are intact."""
+
+
+# Write errors that mean "no room left" rather than a broken disk or path.
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT)
+# torch.save and safetensors report a full disk as their own error without an errno; a write
+# that failed with less than this left on the disk is taken to be one.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _disk_full(err: BaseException, path: str) -> bool:
+    """Whether ``err`` (or an error it wraps) is a full disk or quota, or the disk holding
+    ``path`` is all but full now (measure before cleaning up)."""
+    seen = set()
+    while err is not None and id(err) not in seen:  # a chain can loop back on itself
+        if isinstance(err, OSError) and err.errno in _NO_SPACE:
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    try:
+        return shutil.disk_usage(path).free < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def _save_failed_message(err: BaseException, tmp: str, output_dir: str, disk_full: bool) -> str:
+    """One sentence: what failed and where, what was kept, what to do."""
+    name, where = os.path.basename(tmp[: -len(".tmp")]), os.path.abspath(output_dir)
+    previous = checkpoint_dirs(output_dir)
+    kept = f"{os.path.basename(previous[-1])} is kept" if previous else "there is no earlier checkpoint"
+    if disk_full:
+        what = f"the disk holding {where} is full ({err})"
+        fix = "free room for one more checkpoint (older ones are pruned only after a new one is complete)"
+    else:
+        what = f"writing to {where} failed ({type(err).__name__}: {err})"
+        fix = "fix that"
+    return (f"Could not save {name}: {what}; the incomplete {os.path.basename(tmp)} was removed and {kept}: "
+            f"{fix} and rerun with --resume_from_checkpoint latest.")
 
 
 def _trainable_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -146,23 +193,37 @@ def save_checkpoint(
     total_limit: int | None = None,
 ) -> str:
     """Save everything needed to resume after ``epoch`` (and an export for evaluation).
-    Written to ``checkpoint-<step>.tmp`` and renamed when complete. Returns the path."""
+    Written to ``checkpoint-<step>.tmp`` and renamed when complete; only then are the oldest
+    checkpoints pruned to ``total_limit``. Returns the path.
+
+    Raises:
+        CheckpointSaveError: writing failed (a full disk is named as such); the ``.tmp`` was
+            removed and the earlier checkpoints are untouched.
+    """
     final = os.path.join(output_dir, f"checkpoint-{global_step}")
     tmp = final + ".tmp"
     if accelerator.is_main_process:
-        prune_checkpoints(output_dir, total_limit)
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
-    if ema is not None:
-        os.makedirs(os.path.join(tmp, "ema"), exist_ok=True)
-        torch.save(ema.state_dict(), os.path.join(tmp, "ema", f"rank{accelerator.process_index}.pt"))
-    export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
+    try:
+        accelerator.save_state(tmp)
+        if ema is not None:
+            os.makedirs(os.path.join(tmp, "ema"), exist_ok=True)
+            torch.save(ema.state_dict(), os.path.join(tmp, "ema", f"rank{accelerator.process_index}.pt"))
+        export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
+        if accelerator.is_main_process:
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump({"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes}, f)
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+    except Exception as err:
+        disk_full = _disk_full(err, output_dir)  # before the cleanup frees the space again
+        shutil.rmtree(tmp, ignore_errors=True)  # whichever rank failed: a half checkpoint must not stay
+        if isinstance(err, OSError) or disk_full:
+            raise CheckpointSaveError(_save_failed_message(err, tmp, output_dir, disk_full)) from err
+        raise
     if accelerator.is_main_process:
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump({"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes}, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+        prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
     return final
 

@@ -97,7 +97,10 @@ def _card_images(export_dir: str, sample_images: Iterable[str]) -> list[str]:
     for path in sample_images:
         path = os.path.abspath(path if os.path.isabs(path) else os.path.join(export_dir, path))
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"write_model_card got sample image {path!r}, which does not exist.")
+            raise FileNotFoundError(
+                f"write_model_card got sample image {path!r}, which does not exist "
+                f"(a relative image path is read relative to export_dir {export_dir!r})."
+            )
         rel = os.path.relpath(path, export_dir)
         if rel.startswith(".."):
             os.makedirs(os.path.join(export_dir, "samples"), exist_ok=True)

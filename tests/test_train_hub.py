@@ -7,12 +7,12 @@ from conftest import launch_command, script_env
 from tests.fake_hub_server import FakeHubServer
 
 
-def train(model, prompts, output_dir, endpoint, tmp_path):
+def train(model, prompts, output_dir, endpoint, tmp_path, token="hf_dummy", *extra):
     args = [
         "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", "jpeg_compressibility",
         "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
         "--train_batch_size", "4", "--num_inference_steps", "3", "--num_epochs", "2", "--checkpointing_steps", "1",
-        "--report_to", "none", "--push_to_hub", "--hub_model_id", "tester/genrl-run", "--hub_token", "hf_dummy",
+        "--report_to", "none", "--push_to_hub", "--hub_model_id", "tester/genrl-run", "--hub_token", token, *extra,
     ]
     env = script_env()
     env.update(HF_ENDPOINT=endpoint, HF_HUB_OFFLINE="0", HF_HOME=str(tmp_path / "hf_home"))
@@ -43,3 +43,26 @@ def test_failed_push_says_so_and_keeps_the_local_export(tiny_sd3, prompt_file, t
     assert "tester/genrl-run" in proc.stderr and output_dir in proc.stderr, proc.stderr[-3000:]
     for name in ("genrl_config.json", "README.md", "transformer/diffusion_pytorch_model.safetensors"):
         assert os.path.isfile(os.path.join(output_dir, name)), f"{name} lost after a failed push"
+
+
+def test_the_hub_token_is_in_no_uploaded_file_no_local_file_and_no_log(tiny_sd3, prompt_file, tmp_path):
+    """--hub_token reaches the Hub as a credential only: the recorded command line and
+    arguments (genrl_config.json of the export and of each checkpoint, the model card, the
+    TensorBoard hparams) hold *** instead."""
+    token = "hf_SECRETabc123SECRETabc123SECRETabc1"
+    output_dir = str(tmp_path / "run")
+    with FakeHubServer() as server:
+        proc = train(tiny_sd3, prompt_file, output_dir, server.endpoint, tmp_path, token,
+                     "--push_checkpoints", "--report_to", "tensorboard")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    secret = token.encode()
+    uploaded = server.files["tester/genrl-run"]
+    assert "genrl_config.json" in uploaded and "README.md" in uploaded
+    assert server.commits["tester/genrl-run"][0].startswith("Training in progress"), "checkpoints were pushed too"
+    assert [path for path, data in uploaded.items() if secret in data] == []
+    local = [os.path.join(d, f) for d, _, files in os.walk(output_dir) for f in files]
+    assert any("events.out.tfevents" in path for path in local) and any(path.endswith("README.md") for path in local)
+    assert [path for path in local if secret in open(path, "rb").read()] == []
+    assert token not in proc.stdout and token not in proc.stderr
+    card = uploaded["README.md"].decode()
+    assert "--hub_token '***'" in card or "--hub_token ***" in card, "the card still shows how the run was launched"
