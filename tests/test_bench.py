@@ -31,6 +31,7 @@ RUNS = {
     "zero2": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero2"]),
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
     "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick"]),
+    "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "1"]),
 }
 
 
@@ -148,6 +149,27 @@ def test_h200_script_quick_run_counts_its_flops(runs):
         positive(f, "mfu", "peak_mem_mb")
     positive(rollout, "rollout_s", "samples_per_s", "frames_per_s", "bare_forwards_s")
     positive(train, "ppo_step_s", "bare_fwd_bwd_s")
+
+
+def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
+    _, figures = records(runs, "learning")
+    curves = [f for f in figures if "seed" in f]
+    assert sorted(f["objective"] for f in curves) == ["awm", "grpo", "nft"]
+    for curve in curves:
+        assert curve["steps"] == [0, 1, 2], "evaluation before training and after each of the 2 steps"
+        assert len(curve["scores"]) == len(curve["elapsed"]) == 3
+        assert all(0 <= s <= 1 for s in curve["scores"])
+        assert curve["elapsed"] == sorted(curve["elapsed"]) and curve["elapsed"][0] > 0
+    summaries = {f["objective"]: f for f in figures if "final_mean" in f}
+    assert set(summaries) == {"grpo", "nft", "awm"}
+    for objective, row in summaries.items():
+        curve = next(c for c in curves if c["objective"] == objective)
+        assert row["final_mean"] == pytest.approx(curve["scores"][-1], abs=1e-3) and row["final_spread"] == 0
+    ceilings = {f["ceiling"]: f for f in figures if "ceiling" in f}
+    assert set(ceilings) == {"best_of_2", "supervised"}
+    assert ceilings["best_of_2"]["score"] >= ceilings["best_of_2"]["single_sample"]
+    plot = next(f["plot"] for f in figures if "plot" in f)
+    assert os.path.getsize(plot) > 0
 
 
 @pytest.mark.parametrize("batch, latent_shape, text_len", [(1, (16, 2, 4, 6), 5), (3, (16, 3, 6, 4), 11)])

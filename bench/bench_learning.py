@@ -1,0 +1,326 @@
+"""How fast and how steadily each objective learns: held-out toy_geneval against optimizer
+steps and wall time, for several seeds, beside two ceilings.
+
+Each (objective, seed) is one real ``train_genrl.py`` run (one process) on the no-argument
+run's settings, with ``--objective`` and that objective's sampling settings
+(``OBJECTIVE_ARGS``) changed, and ``--seed`` changed (the run seed: prompts, noise and
+trained timesteps; evaluation always uses the same prompts and noise). Runs go ``--jobs`` at
+a time, each with cores / jobs torch threads. The figures come from each run's
+``logs/metrics.jsonl`` (``eval/toy_geneval_mean`` and ``time/elapsed_s``, wall time since the
+launch, set-up and evaluations included).
+
+Ceilings, on the same held-out prompts, evaluation settings and noise:
+- best-of-K: the base model's mean over prompts of the best of K samples (K = group size,
+  evaluation seeds 0..K-1): what picking the best sample of a group reaches without training;
+- supervised: the toy model fine-tuned by flow matching on rendered ground-truth scenes of the
+  train prompts (``scripts/pretrain_toy_model.py``'s loop, ``--supervised_steps``): what the
+  architecture reaches when it is shown the right answers.
+
+``--setting video`` checks that video learns too: a tiny random Wan (5 frames of 32x32) trained
+on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceilings).
+
+    python bench/bench_learning.py                                # grpo, nft, awm x seeds 0 1 2 (~1.5 h on 2 cores)
+    python bench/bench_learning.py --objectives nft --seeds 0 1 2 --max_train_steps 60
+    python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~10 min)
+    python bench/bench_learning.py --quick                        # CI: tiny random model, 2 steps, one seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import common
+from common import ROOT, emit
+
+OBJECTIVES = ("grpo", "nft", "awm")
+# What each objective samples with, on top of the no-argument run (train_genrl.DEFAULT_RUN);
+# a setting's own arguments (--quick's tiny model, --extra) come after and win.
+# GRPO needs recorded SDE steps; NFT and AWM train on clean samples, so they sample with the
+# plain ODE and draw each sample of a group from its own initial noise.
+OBJECTIVE_ARGS = {
+    "grpo": ["--objective", "grpo", "--noise_level", "0.7", "--same_latent", "--sde_window_size", "4",
+             "--sde_window_range", "0", "8", "--timestep_fraction", "1.0"],
+    "nft": ["--objective", "nft", "--noise_level", "0", "--no-same_latent"],
+    "awm": ["--objective", "awm", "--noise_level", "0", "--no-same_latent"],
+}
+THRESHOLDS = (0.6, 0.8)
+SETTINGS = ("toy", "video", "quick")
+# The held-out score each setting reports.
+SCORES = {"toy": "toy_geneval", "video": "temporal_smoothness", "quick": "toy_geneval"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="CI: a tiny random model, 2 steps, one seed (--setting quick).")
+    parser.add_argument("--setting", choices=SETTINGS, default="toy",
+                        help="toy: the no-argument run; video: tiny Wan on temporal_smoothness; quick: CI.")
+    parser.add_argument("--objectives", nargs="+", choices=OBJECTIVES, default=list(OBJECTIVES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=None, help="Run seeds (default 0 1 2; 0 with --quick).")
+    parser.add_argument("--max_train_steps", type=int, default=None, help="Default: the no-argument run's (2 with --quick).")
+    parser.add_argument("--eval_steps", type=int, default=None, help="Default: the no-argument run's (1 with --quick).")
+    parser.add_argument("--jobs", type=int, default=2, help="Training runs at a time.")
+    parser.add_argument("--output_dir", type=str, default=None,
+                        help="Runs, logs and learning_curves.png (default bench-output/learning-<setting>; a temporary folder with --quick).")
+    parser.add_argument("--no_ceilings", action="store_true", help="Skip the best-of-K and supervised ceilings.")
+    parser.add_argument("--supervised_steps", type=int, default=None, help="Ceiling fine-tuning steps (600; 2 with --quick).")
+    parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string.")
+    args = parser.parse_args(argv)
+    args.quick = args.quick or args.setting == "quick"
+    args.setting = "quick" if args.quick else args.setting
+    args.seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+    args.supervised_steps = args.supervised_steps or (2 if args.quick else 600)
+    args.output_dir = args.output_dir or (
+        tempfile.mkdtemp(prefix="bench-learning-") if args.quick else os.path.join("bench-output", f"learning-{args.setting}")
+    )
+    # The ceilings' evaluation: the no-argument run's (4 batches of 32), or one batch of 8.
+    args.ceiling_batches = (1, 8) if args.quick else None
+    return args
+
+
+# ----- the training runs ---------------------------------------------------------------------
+
+
+def _write_prompts(path: str, prompts) -> str:
+    with open(path, "w") as f:
+        f.write("\n".join(prompts) + "\n")
+    return path
+
+
+def setting_args(setting: str, workdir: str) -> list[str]:
+    """train_genrl.py arguments of a setting, on top of the no-argument run's."""
+    from genrl.tiny_pipelines import save_tiny_pipeline
+
+    if setting == "toy":
+        return []
+    if setting == "video":
+        model = save_tiny_pipeline("wan", os.path.join(workdir, "tiny-wan"), seed=0)
+        train = _write_prompts(os.path.join(workdir, "train.txt"), common.PROMPTS[:6])
+        held_out = _write_prompts(os.path.join(workdir, "held_out.txt"), common.PROMPTS[6:])
+        return [
+            "--pretrained_model_name_or_path", model, "--prompt_dataset", train, "--eval_prompt_dataset", held_out,
+            "--reward_fn", "temporal_smoothness", "--eval_reward_fn", "temporal_smoothness", "--group_size", "4",
+            "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "1", "--train_batch_size", "4",
+            "--gradient_accumulation_steps", "1", "--num_inference_steps", "8", "--guidance_scale", "1.0",
+            "--learning_rate", "1e-3", "--max_train_steps", "40", "--eval_steps", "5", "--eval_batch_size", "2",
+            "--eval_max_batches", "1",
+        ]
+    # quick: a tiny random SD3 model and four prompts, the same code path in seconds (CI).
+    model = save_tiny_pipeline("sd3", os.path.join(workdir, "tiny-sd3"), seed=0)
+    prompts = _write_prompts(os.path.join(workdir, "prompts.txt"), common.PROMPTS[:4])
+    return [
+        "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--eval_prompt_dataset", prompts,
+        "--reward_fn", "toy_geneval", "--group_size", "2", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
+        "--train_batch_size", "2", "--gradient_accumulation_steps", "1", "--num_inference_steps", "3",
+        "--sde_window_size", "1", "--sde_window_range", "0", "2", "--eval_batch_size", "4", "--eval_max_batches", "1",
+    ]
+
+
+def run_training(objective: str, seed: int, out_dir: str, base: list[str], args, threads: int) -> dict:
+    """One train_genrl.py run; returns its eval curve ``{"steps", "elapsed", "scores"}``."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+               "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"),
+               *OBJECTIVE_ARGS[objective], *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none"]
+    if args.max_train_steps:
+        command += ["--max_train_steps", str(args.max_train_steps)]
+    if args.eval_steps:
+        command += ["--eval_steps", str(args.eval_steps)]
+    command += args.extra.split()
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    start = time.perf_counter()
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train.log"), "w") as log:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{objective} seed {seed} exited {proc.returncode}; see {os.path.join(out_dir, 'train.log')}.")
+    curve = read_curve(os.path.join(out_dir, "logs", "metrics.jsonl"), f"eval/{SCORES[args.setting]}_mean")
+    curve["wall_s"] = time.perf_counter() - start
+    return curve
+
+
+def read_curve(metrics_path: str, score: str) -> dict:
+    """The evaluations of one run: steps, wall seconds since launch, held-out ``score``."""
+    steps, elapsed, scores = [], [], []
+    with open(metrics_path) as f:
+        for line in f:
+            record = json.loads(line)
+            if score in record:
+                steps.append(record["step"])
+                elapsed.append(record.get("time/elapsed_s", float("nan")))
+                scores.append(record[score])
+    return {"steps": steps, "elapsed": elapsed, "scores": scores}
+
+
+def first_reaching(curve: dict, threshold: float, key: str) -> float | None:
+    """The step (or second) of the first evaluation at or above ``threshold``, None if never."""
+    for value, score in zip(curve[key], curve["scores"]):
+        if score >= threshold:
+            return value
+    return None
+
+
+def summarize(objective: str, curves: list[dict]) -> dict:
+    """Mean and spread (max - min) over seeds of the final score, the best score, the final
+    minus the best earlier one (steadiness), and steps / seconds to each threshold."""
+    finals = [c["scores"][-1] for c in curves]
+    drops = [c["scores"][-1] - max(c["scores"][:-1] or c["scores"]) for c in curves]
+    row = {
+        "bench": "learning", "objective": objective, "seeds": len(curves), "steps": curves[0]["steps"][-1],
+        "start": curves[0]["scores"][0], "final_mean": statistics.fmean(finals), "final_spread": max(finals) - min(finals),
+        "best_mean": statistics.fmean(max(c["scores"]) for c in curves), "final_minus_best_earlier": min(drops),
+        "wall_s_mean": statistics.fmean(c["elapsed"][-1] for c in curves),
+    }
+    for threshold in THRESHOLDS:
+        for key, unit in (("steps", "steps"), ("elapsed", "s")):
+            reached = [first_reaching(c, threshold, key) for c in curves]
+            row[f"{unit}_to_{threshold}"] = statistics.fmean(reached) if all(r is not None for r in reached) else None
+    return row
+
+
+# ----- the ceilings ---------------------------------------------------------------------------
+
+
+def eval_setting(batches: tuple[int, int] | None = None):
+    """The held-out prompts and evaluation settings of the no-argument run; ``batches`` =
+    (max_batches, batch_size) overrides its evaluation size."""
+    import train_genrl
+    from genrl.data import load_prompts
+    from genrl.rewards import build_reward_fn
+    from genrl.rollout import SamplingConfig
+
+    run = dict(train_genrl.DEFAULT_RUN)
+    if batches is not None:
+        run["eval_max_batches"], run["eval_batch_size"] = batches
+    prompts = load_prompts(run["eval_prompt_dataset"])
+    config = SamplingConfig(num_inference_steps=10, guidance_scale=run["guidance_scale"], noise_level=0.0)
+    return prompts, build_reward_fn("toy_geneval"), config, run
+
+
+def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None) -> list[float]:
+    """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it."""
+    from genrl.evaluation import evaluate
+
+    prompts, reward_fn, config, run = eval_setting(batches)
+    result = evaluate(policy, policy.transformer, prompts.prompts, reward_fn, seed=seed, batch_size=run["eval_batch_size"],
+                      max_batches=run["eval_max_batches"], config=config, device="cpu", metadata=prompts.metadata,
+                      keep_samples=0)
+    return [r["scores"]["toy_geneval"] for r in result.per_prompt]
+
+
+def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None) -> dict:
+    """Mean over held-out prompts of the best of ``k`` base-model samples (seeds 0..k-1)."""
+    from genrl.policies import load_policy
+    import train_genrl
+
+    policy = load_policy(train_genrl.DEFAULT_MODEL).to("cpu")
+    per_seed = [held_out_scores(policy, seed, batches) for seed in range(k)]
+    best = [max(scores) for scores in zip(*per_seed)]
+    return {"bench": "learning", "ceiling": f"best_of_{k}", "score": statistics.fmean(best),
+            "single_sample": statistics.fmean(per_seed[0])}
+
+
+def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None) -> dict:
+    """The toy model fine-tuned on ground-truth scenes of the train prompts, then evaluated."""
+    import numpy as np
+    import torch
+    from diffusers import StableDiffusion3Pipeline
+
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    import pretrain_toy_model as pretrain
+    import train_genrl
+    from genrl.policies import policy_for_pipeline
+    from genrl.toy_scenes import all_specs, is_test_combination
+
+    pipe = StableDiffusion3Pipeline.from_pretrained(train_genrl.DEFAULT_MODEL)
+    pipe.set_progress_bar_config(disable=True)
+    options = pretrain.parse_args(["--steps", str(steps), "--learning_rate", "3e-4", "--warmup_steps", "0",
+                                   "--log_every", str(max(1, steps // 4))] + (["--batch_size", "8"] if steps < 10 else []))
+    specs = [s for s in all_specs() if not is_test_combination(s)]
+    torch.manual_seed(0)
+    start = time.perf_counter()
+    pretrain.train_transformer(pipe, specs, options, np.random.default_rng(0))
+    seconds = time.perf_counter() - start
+    policy = policy_for_pipeline(pipe).to("cpu")
+    return {"bench": "learning", "ceiling": "supervised", "score": statistics.fmean(held_out_scores(policy, 0, batches)),
+            "steps": steps, "train_s": seconds}
+
+
+# ----- output -----------------------------------------------------------------------------------
+
+
+def plot(curves: dict[str, list[dict]], ceilings: list[dict], path: str, score: str) -> str:
+    """Held-out score against steps and against wall time: mean over seeds, min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for objective, runs in curves.items():
+        n = min(len(c["scores"]) for c in runs)
+        scores = np.array([c["scores"][:n] for c in runs])
+        for ax, key in zip(axes, ("steps", "elapsed")):
+            x = np.mean([c[key][:n] for c in runs], axis=0)
+            (line,) = ax.plot(x, scores.mean(0), marker="o", ms=3, label=f"{objective} ({len(runs)} seeds)")
+            ax.fill_between(x, scores.min(0), scores.max(0), color=line.get_color(), alpha=0.2)
+    for ceiling in ceilings:
+        for ax in axes:
+            ax.axhline(ceiling["score"], ls="--", lw=1, color="gray")
+        axes[1].annotate(ceiling["ceiling"], (1.0, ceiling["score"]), xycoords=("axes fraction", "data"),
+                         ha="right", va="bottom", fontsize=8, color="gray")
+    axes[0].set_xlabel("optimizer steps")
+    axes[1].set_xlabel("wall seconds (one run)")
+    axes[0].set_ylabel(f"held-out {score}")
+    axes[0].legend(loc="lower right", fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(args) -> list[dict]:
+    common.print_machine("cpu", note=f"{args.jobs} runs at a time")
+    os.makedirs(args.output_dir, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix="bench-learning-")
+    base = setting_args(args.setting, workdir)
+    if args.quick:
+        args.max_train_steps = args.max_train_steps or 2
+        args.eval_steps = args.eval_steps or 1
+    threads = max(1, (os.cpu_count() or 1) // args.jobs)
+    jobs = [(o, s) for o in args.objectives for s in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        futures = {job: pool.submit(run_training, *job, os.path.join(args.output_dir, f"{job[0]}-seed{job[1]}"), base, args, threads)
+                   for job in jobs}
+        results = {job: future.result() for job, future in futures.items()}
+    curves = {o: [results[(o, s)] for s in args.seeds] for o in args.objectives}
+    rows = []
+    for objective, runs in curves.items():
+        for seed, curve in zip(args.seeds, runs):
+            emit({"bench": "learning", "objective": objective, "seed": seed, **curve})
+        rows.append(emit(summarize(objective, runs)))
+    common.print_table(rows, ["objective", "seeds", "steps", "start", "final_mean", "final_spread", "best_mean",
+                              "final_minus_best_earlier", "steps_to_0.6", "steps_to_0.8", "s_to_0.6", "s_to_0.8",
+                              "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
+    ceilings = []
+    if not args.no_ceilings and args.setting != "video":
+        group_size = 2 if args.quick else 8
+        ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches)),
+                    emit(supervised_ceiling(args.supervised_steps, args.ceiling_batches))]
+        common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "train_s"], title="Ceilings")
+    path = plot(curves, ceilings, os.path.join(args.output_dir, "learning_curves.png"), SCORES[args.setting])
+    emit({"bench": "learning", "plot": path})
+    return rows + ceilings
+
+
+if __name__ == "__main__":
+    main(parse_args())
