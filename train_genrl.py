@@ -41,9 +41,8 @@ DEFAULT_RUN = dict(
     reward_fn="toy_geneval",
     # Evaluation also reports the per-category breakdown (weight 0: not in the total).
     eval_reward_fn="toy_geneval," + ",".join(f"toy_geneval_{c}:0" for c in ("strict", "color", "shape", "count", "position")),
+    objective="nft",
     guidance_scale=2.0,
-    sde_window_size=4,
-    sde_window_range=[0, 8],
     rollout_batch_size=32,
     rollout_batches_per_epoch=4,
     train_batch_size=32,
@@ -53,6 +52,14 @@ DEFAULT_RUN = dict(
     eval_batch_size=32,
     eval_max_batches=4,
 )
+# What the no-argument run changes with --objective (bench/bench_learning.py compares them).
+# GRPO needs recorded SDE steps: a 4-step window in the first 8 of 10 steps, one initial noise
+# per group. NFT and AWM train on clean samples: the plain ODE, each sample from its own noise.
+DEFAULT_RUN_BY_OBJECTIVE = {
+    "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4),
+    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=3e-4),
+    "awm": dict(noise_level=0.0, same_latent=False, learning_rate=3e-4),
+}
 
 logger = get_logger(__name__)
 
@@ -105,8 +112,9 @@ def parse_args(argv=None):
     parser.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
                         help="All K samples of a prompt start from the same noise.")
     # Objective
-    parser.add_argument("--objective", choices=["grpo", "nft", "awm"], default="grpo",
-                        help="grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
+    parser.add_argument("--objective", choices=["grpo", "nft", "awm"], default=None,
+                        help="Default grpo (nft in the no-argument run). "
+                             "grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
                              "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
                              "samples noised again (any sampler, no log-probs).")
     parser.add_argument("--nft_beta", type=float, default=1.0,
@@ -181,9 +189,13 @@ def parse_args(argv=None):
     parser.add_argument("--hub_private", action="store_true")
     parser.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
 
-    if parser.parse_known_args(argv)[0].pretrained_model_name_or_path is None:
-        parser.set_defaults(**DEFAULT_RUN)  # flags given on the command line still win
+    known = parser.parse_known_args(argv)[0]
+    if known.pretrained_model_name_or_path is None:
+        objective = known.objective or DEFAULT_RUN["objective"]
+        # Flags given on the command line still win over these defaults.
+        parser.set_defaults(**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective])
     args = parser.parse_args(argv)
+    args.objective = args.objective or "grpo"
     try:
         validate_args(args)
     except (ValueError, FileNotFoundError) as e:

@@ -2,8 +2,8 @@
 steps and wall time, for several seeds, beside two ceilings.
 
 Each (objective, seed) is one real ``train_genrl.py`` run (one process) on the no-argument
-run's settings, with ``--objective`` and that objective's sampling settings
-(``OBJECTIVE_ARGS``) changed, and ``--seed`` changed (the run seed: prompts, noise and
+run's settings, with ``--objective`` (and what the no-argument run changes with it: its
+sampler and learning rate, ``train_genrl.DEFAULT_RUN_BY_OBJECTIVE``) and ``--seed`` changed (the run seed: prompts, noise and
 trained timesteps; evaluation always uses the same prompts and noise). Runs go ``--jobs`` at
 a time, each with cores / jobs torch threads. The figures come from each run's
 ``logs/metrics.jsonl`` (``eval/toy_geneval_mean`` and ``time/elapsed_s``, wall time since the
@@ -41,16 +41,22 @@ import common
 from common import ROOT, emit
 
 OBJECTIVES = ("grpo", "nft", "awm")
-# What each objective samples with, on top of the no-argument run (train_genrl.DEFAULT_RUN);
-# a setting's own arguments (--quick's tiny model, --extra) come after and win.
-# GRPO needs recorded SDE steps; NFT and AWM train on clean samples, so they sample with the
-# plain ODE and draw each sample of a group from its own initial noise.
-OBJECTIVE_ARGS = {
-    "grpo": ["--objective", "grpo", "--noise_level", "0.7", "--same_latent", "--sde_window_size", "4",
-             "--sde_window_range", "0", "8", "--timestep_fraction", "1.0"],
-    "nft": ["--objective", "nft", "--noise_level", "0", "--no-same_latent"],
-    "awm": ["--objective", "awm", "--noise_level", "0", "--no-same_latent"],
-}
+def objective_args(objective: str) -> list[str]:
+    """``--objective`` and what the no-argument run changes with it (train_genrl's
+    DEFAULT_RUN_BY_OBJECTIVE: the sampler each objective needs, its learning rate), as flags,
+    so that the tiny-model settings sample each objective as the toy run does; a setting's own
+    arguments come after and win."""
+    import train_genrl
+
+    flags = ["--objective", objective]
+    for key, value in train_genrl.DEFAULT_RUN_BY_OBJECTIVE[objective].items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            flags += [f"--{key}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    return flags
+
+
 THRESHOLDS = (0.6, 0.8)
 SETTINGS = ("toy", "video", "quick")
 # The held-out score each setting reports.
@@ -127,7 +133,7 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
     """One train_genrl.py run; returns its eval curve ``{"steps", "elapsed", "scores"}``."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"),
-               *OBJECTIVE_ARGS[objective], *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none"]
+               *objective_args(objective), *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none"]
     if args.max_train_steps:
         command += ["--max_train_steps", str(args.max_train_steps)]
     if args.eval_steps:

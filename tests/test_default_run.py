@@ -1,0 +1,38 @@
+"""What the no-argument run sets, per objective, and that a user's own model leaves it."""
+
+import pytest
+
+import train_genrl
+from train_genrl import DEFAULT_RUN, DEFAULT_RUN_BY_OBJECTIVE, parse_args
+
+
+def test_no_argument_run_uses_its_objective_and_that_objectives_sampler():
+    args = parse_args([])
+    assert args.objective == DEFAULT_RUN["objective"]
+    for key, value in DEFAULT_RUN_BY_OBJECTIVE[args.objective].items():
+        assert getattr(args, key) == value, key
+    assert args.pretrained_model_name_or_path == train_genrl.DEFAULT_MODEL
+
+
+@pytest.mark.parametrize("objective", sorted(DEFAULT_RUN_BY_OBJECTIVE))
+def test_choosing_an_objective_on_the_toy_run_brings_the_sampler_it_needs(objective):
+    args = parse_args(["--objective", objective])
+    assert args.objective == objective
+    for key, value in DEFAULT_RUN_BY_OBJECTIVE[objective].items():
+        assert getattr(args, key) == value, key
+    if objective == "grpo":
+        assert args.noise_level > 0 and args.same_latent  # GRPO needs stochastic steps to train on
+
+
+def test_flags_on_the_command_line_win_over_the_default_run():
+    args = parse_args(["--objective", "awm", "--learning_rate", "1e-5", "--noise_level", "0.3"])
+    assert (args.learning_rate, args.noise_level) == (1e-5, 0.3)
+
+
+def test_a_users_own_model_gets_the_plain_defaults_not_the_toy_run(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a red circle\n")
+    args = parse_args(["--pretrained_model_name_or_path", train_genrl.DEFAULT_MODEL, "--prompt_dataset", str(prompts),
+                       "--reward_fn", "toy_geneval"])
+    assert args.objective == "grpo" and args.noise_level == 0.7 and args.same_latent
+    assert args.max_train_steps is None and args.eval_prompt_dataset is None
