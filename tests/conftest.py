@@ -56,6 +56,20 @@ def run_script(script: str, args: list[str], config: str | None = None, num_proc
     return proc
 
 
+# Tests that launch the real scripts or benchmarks as new processes (seconds to minutes each)
+# are marked slow, so that `pytest -m "not slow"` is the fast lane; the default run keeps them.
+# Whole modules of such tests, and fixtures that launch them for the tests that use them:
+SLOW_MODULES = {"test_train_distributed", "test_train_objectives", "test_train_script", "test_train_hub", "test_relative_paths"}
+SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory) -> str:
     """A tiny random SD3 pipeline saved to disk, loaded by the scripts through from_pretrained."""

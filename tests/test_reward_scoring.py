@@ -62,21 +62,30 @@ def test_sync_scores_at_collect_with_one_empty_cache():
 
 
 def test_async_overlaps_scoring_with_rollout():
-    calls = []
-    fn = _register("slow", _brightness_reward(calls, sleep_s=0.5))
-    rollout_s, batches = 0.5, 3
+    """Batch i is scored while batch i + 1 denoises: each reward call waits until the main
+    thread has started the next batch. A scorer that scored inside submit (or only at collect)
+    would see the event unset; events, not wall-clock, so a busy machine cannot flake it."""
+    started = [threading.Event() for _ in range(3)]  # main thread: "denoising batch i began"
+    scored = [threading.Event() for _ in range(3)]
+    seen_next_started = []
+
+    def reward(samples, prompts, metadata):
+        i = round(samples.float().mean().item() * 10) - 1
+        if i + 1 < len(started):
+            seen_next_started.append(started[i + 1].wait(timeout=30))
+        scored[i].set()
+        return samples.float().mean(dim=(1, 2, 3, 4))
+
+    fn = _register("slow", reward)
     with RewardScorer(fn, mode="async", empty_cache=lambda: pytest.fail("async must not empty the cache")) as scorer:
-        start = time.perf_counter()
-        for i in range(batches):
-            time.sleep(rollout_s)  # denoising batch i
+        for i in range(3):
+            started[i].set()  # denoising batch i (the previous batch is being scored meanwhile)
+            if i > 0:
+                assert scored[i - 1].wait(timeout=30), f"batch {i - 1} was not scored during batch {i}"
             scorer.submit(_batch(0.1 * (i + 1)), ["p", "q"])
-        assert len(calls) >= 1  # scoring already started before collect
         results = scorer.collect()
-        elapsed = time.perf_counter() - start
-    serial = batches * (rollout_s + 0.5)  # 3.0 s
-    assert elapsed < serial - 0.6, elapsed  # ~2.0 s when batch i scores while i + 1 denoises
+    assert seen_next_started == [True, True]
     assert [round(r["slow"][0].item(), 4) for r in results] == [0.1, 0.2, 0.3]
-    assert scorer.wait_s < 1.0
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

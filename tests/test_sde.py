@@ -85,7 +85,13 @@ def test_log_prob_is_finite_as_std_vanishes(sde_type, noise_level):
 
 
 def test_clamp_keeps_std_squared_a_normal_float():
-    assert MIN_STD**2 > 0 and MIN_STD**2 >= torch.finfo(torch.float32).tiny * 0.99
+    """Squaring the clamped std in float32 (as the log-prob does) gives a normal float, and a
+    difference divided by it stays finite; clamping at `tiny` itself would give 0 and inf."""
+    s = torch.tensor(MIN_STD, dtype=torch.float32)
+    assert (s * s).item() >= torch.finfo(torch.float32).tiny * 0.99
+    assert torch.isfinite(torch.tensor(1e-3) / (2 * s * s))
+    tiny = torch.tensor(torch.finfo(torch.float32).tiny)
+    assert (tiny * tiny).item() == 0.0
 
 
 @pytest.mark.parametrize("sde_type", ["flow_sde", "flow_cps"])
