@@ -161,8 +161,8 @@ def test_top30_and_mean_over_frames_via_registry(setup):
         [reference_mu_sigma(setup["model"], setup["tokenizer"], frames[n, f], prompts[n], SMALL * SMALL)[0].item() for f in range(4)] for n in range(2)
     ])
     torch.testing.assert_close(out["hpsv3"], per_frame.mean(dim=1), rtol=0, atol=1e-5)
-    top2 = per_frame.sort(dim=1, descending=True).values[:, :2].mean(dim=1)  # ceil(0.3 * 4) = 2 frames
-    torch.testing.assert_close(out["hpsv3_top30"], top2, rtol=0, atol=1e-5)
+    top1 = per_frame.max(dim=1).values  # int(0.3 * 4) = 1 frame
+    torch.testing.assert_close(out["hpsv3_top30"], top1, rtol=0, atol=1e-5)
     assert (out["hpsv3_top30"] > out["hpsv3"]).all()
     torch.testing.assert_close(out["total"], out["hpsv3"] + 0.5 * out["hpsv3_top30"])
 
@@ -193,3 +193,12 @@ def test_template_must_name_exactly_one_reward_token(setup, tmp_path):
     bad = write_json(str(tmp_path / "bad.json"), {"template": "{text_prompt} <|A|> <|B|>"})
     with pytest.raises(ValueError, match="one special token"):
         load_hpsv3_scorer(setup["ckpt"], setup["base"], template_path=bad)
+
+
+@pytest.mark.parametrize("frames, kept", [(1, 1), (3, 1), (4, 1), (10, 3), (81, 24)])
+def test_top30_keeps_the_published_number_of_frames(frames, kept):
+    from genrl.rewards.hpsv3 import top_fraction_mean
+
+    scores = torch.arange(frames, dtype=torch.float32).flip(0).unsqueeze(0)  # frames - 1, ..., 0
+    expected = torch.arange(frames - kept, frames, dtype=torch.float32).mean()
+    torch.testing.assert_close(top_fraction_mean(scores), expected.unsqueeze(0))

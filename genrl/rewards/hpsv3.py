@@ -23,7 +23,6 @@ Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -81,10 +80,13 @@ def build_rank_head(hidden_size: int, dropout: float = 0.05) -> nn.Sequential:
 
 
 def top_fraction_mean(scores: torch.Tensor, fraction: float = TOP_FRACTION) -> torch.Tensor:
-    """``(N, F)`` -> ``(N,)``: mean of each row's k best values, k = max(1, ceil(fraction * F))."""
+    """``(N, F)`` -> ``(N,)``: mean of each row's k best values, k = max(1, floor(fraction * F)).
+
+    The published top-30% video HPSv3 reward (Flash-GRPO's) keeps ``int(0.3 * F)`` frames,
+    rounded down: 24 of 81 frames, not 25; at least one frame for short clips and images."""
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must lie in (0, 1], got {fraction}.")
-    k = max(1, math.ceil(fraction * scores.shape[1]))
+    k = max(1, int(fraction * scores.shape[1] + 1e-9))  # + 1e-9: 0.3 * 10 is 3, not 2.9999
     return scores.topk(k, dim=1).values.mean(dim=1)
 
 
