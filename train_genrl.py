@@ -270,6 +270,7 @@ def main(args):
     from genrl.data import load_prompts
     from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
     from genrl.ema import EMA
+    from genrl.errors import SetupError
     from genrl.grpo import select_train_timesteps
     from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
     from genrl.policies import load_policy
@@ -319,7 +320,10 @@ def main(args):
     # ---- Models --------------------------------------------------------------------------
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     with zero_init_disabled():  # frozen parts and reward models are never sharded
-        policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+        try:
+            policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+        except SetupError as e:
+            raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)
         reward_options = load_reward_options(args.reward_options)
         # In sync mode reward models wait on the CPU and visit the training device to score.
