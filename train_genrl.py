@@ -444,7 +444,7 @@ def main(args):
         """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.evaluation import evaluate, save_image_grid, save_videos, score_caption
+        from genrl.evaluation import compact_scores, evaluate, save_image_grid, save_videos, score_caption
 
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
@@ -457,7 +457,8 @@ def main(args):
         values["time/elapsed_s"] = time.perf_counter() - launch_time
         log(values, global_step, epoch)
         if accelerator.is_main_process and result.samples is not None:
-            captions = [r["prompt"] + ": " + score_caption(r["scores"]) for r in result.per_prompt[: len(result.samples)]]
+            captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
+                        for r in result.sample_rows()]
             grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
                                    captions=captions)
             log_image(accelerator, "eval/samples", grid, global_step)
