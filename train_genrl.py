@@ -539,7 +539,6 @@ def main(args):
         epoch_logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
         epoch_logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
         epoch_logs["reward/zero_std_ratio"] = zero_std_ratio(sum(reward_weights[n] * gathered[n] for n in names), group_ids)
-        epoch_logs["train/advantage_abs_mean"] = advantages.abs().mean().item()
         epoch_logs["train/kept_fraction"] = keep.float().mean().item()
 
         # 3. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
