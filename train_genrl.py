@@ -642,18 +642,21 @@ def main(args):
     push_failed = False
     if accelerator.is_main_process:
         from genrl.hub import HubPushError, push_to_hub
-        from genrl.model_card import write_model_card
+        from genrl.model_card import first_and_last_eval, write_model_card
         from genrl.plots import plot_training_curves
 
         images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
         if os.path.exists(metrics_path):
             images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
+        evals = first_and_last_eval(metrics_path)
         write_model_card(
             args.output_dir,
             base_model=run_config["base_model"],
             reward_spec=args.reward_fn,
             hyperparameters=run_config["args"],
-            eval_metrics=last_eval or None,
+            eval_metrics=evals[-1][1] if evals else last_eval or None,
+            baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
+            eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
             sample_images=images,
             launch_command=run_config["launch_command"],
             tags=["genrl", "grpo", policy.family],
