@@ -335,6 +335,7 @@ def main(args):
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
     from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
     from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
+    from genrl.console import eval_line, planned_steps, progress_postfix
     from genrl.data import load_prompts
     from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
     from genrl.ema import EMA
@@ -368,7 +369,11 @@ def main(args):
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
-    logger.info(accelerator.state, main_process_only=False)
+    logger.info(
+        f"process {accelerator.process_index} of {accelerator.num_processes} on {accelerator.device} "
+        f"(distributed type {accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})",
+        main_process_only=False,
+    )
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     if args.allow_tf32 and torch.cuda.is_available():
@@ -519,7 +524,7 @@ def main(args):
             result = evaluate(
                 policy, model, eval_set.prompts, eval_reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
                 max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
-                metadata=eval_set.metadata, keep_samples=args.eval_log_samples,
+                metadata=eval_set.metadata, keep_samples=args.eval_log_samples, show_progress=False,
             )
         values = result.log_dict("eval")
         values["time/elapsed_s"] = time.perf_counter() - launch_time
@@ -534,7 +539,8 @@ def main(args):
                 videos = save_videos(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}"),
                                      fps=args.eval_video_fps)
                 log_videos(accelerator, "eval/videos", videos, global_step)
-        accelerator.print(f"eval at step {global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in values.items() if k.endswith("_mean")))
+        if accelerator.is_main_process:
+            tqdm.write(eval_line(global_step, values))  # above the progress bar, which stays at the bottom
         return values
 
     def crossed(every: int | None, before: int, after: int) -> bool:
@@ -544,6 +550,17 @@ def main(args):
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
         f"{n_train_steps} trained timesteps per sample"
+    )
+    # One bar over the whole run (optimizer steps, ETA, latest rewards); per-phase bars would
+    # print two lines per epoch.
+    progress = tqdm(
+        total=planned_steps(
+            num_epochs=args.num_epochs, max_train_steps=args.max_train_steps,
+            samples_per_epoch=args.rollout_batch_size * args.rollout_batches_per_epoch,
+            train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            num_inner_epochs=args.num_inner_epochs,
+        ),
+        initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
     last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
@@ -563,7 +580,7 @@ def main(args):
                 reward_fn = build_rewards()
         scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
         rollouts = []
-        for batch in tqdm(sampler.batches(epoch), desc=f"epoch {epoch} rollout", disable=not accelerator.is_local_main_process):
+        for batch in sampler.batches(epoch):
             prompts = [train_set.prompts[i] for i, _ in batch]
             metadata = [train_set.metadata[i] for i, _ in batch]
             rollout = sample_rollout(
@@ -624,8 +641,6 @@ def main(args):
                 fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
                 model.train()
         step_stats, grad_norms = [], []
-        progress = tqdm(total=args.num_inner_epochs * len(kept) // micro, desc=f"epoch {epoch} update",
-                        disable=not accelerator.is_local_main_process)
         reached_max_steps = False
         for _ in range(args.num_inner_epochs):
             order = kept[torch.randperm(len(kept), generator=generator)]
@@ -658,7 +673,7 @@ def main(args):
                 step_stats.append({k: float(v) for k, v in stats.items()})
                 if accelerator.sync_gradients:
                     global_step += 1
-                    progress.update(args.gradient_accumulation_steps)
+                    progress.update(1)
                     if ema is not None:
                         ema.step(global_step)
                     if args.max_train_steps is not None and global_step >= args.max_train_steps:
@@ -666,7 +681,6 @@ def main(args):
                         break
             if reached_max_steps:
                 break
-        progress.close()
         del forward_batch
         timings["time/train_s"] = time.perf_counter() - t0
 
@@ -681,13 +695,10 @@ def main(args):
         epoch_logs.update(timings)
         epoch_logs["time/elapsed_s"] = time.perf_counter() - launch_time
         log(epoch_logs, global_step, epoch)
-        accelerator.print(
-            f"epoch {epoch} step {global_step}: "
-            + ", ".join(f"{k.split('/')[1]}={epoch_logs[k]:.4f}" for k in epoch_logs if k.startswith("reward/") and k.endswith("_mean"))
-        )
         done = reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
+        progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
             for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
                 push.exception()
@@ -704,6 +715,8 @@ def main(args):
                 )
         if reached_max_steps:
             break
+
+    progress.close()
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
@@ -774,9 +787,12 @@ def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model or reward weights
     that cannot be fetched) ends in its one sentence and exit status 1, not in a traceback."""
+    from genrl.console import hide_loading_bars, silence_known_noise
     from genrl.errors import find_setup_error
 
+    silence_known_noise()  # before the libraries load: some warn on import
     args = parse_args(argv)
+    hide_loading_bars()
     try:
         main(args)
     except Exception as error:

@@ -189,7 +189,7 @@ def test_hpsv3_without_its_weights_names_the_repos_and_reward_options(tiny_sd3, 
     proc = run_train(args, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))  # an empty Hub cache
     lines = error_lines(proc)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr.decode(), lines[-20:]
-    assert len(lines) <= 12, lines  # the start-up log line, the model's loading bars, the sentence
+    assert len(lines) <= 3, lines  # the start-up log line and the sentence
     last = lines[-1]
     assert last.startswith("train_genrl.py: error: Reward 'hpsv3'")
     assert "MizzenAI/HPSv3" in last and "Qwen/Qwen2-VL-7B-Instruct" in last and "--reward_options '{\"hpsv3\"" in last
@@ -209,3 +209,18 @@ def test_every_flag_has_help_and_the_help_explains_the_default_run(capsys):
         assert f"\n{group}\n" in text, group
     for key, value in train_genrl.DEFAULT_RUN.items():
         assert f"--{key} " in text.split("DEFAULT_RUN", 1)[1], key
+
+
+def test_the_console_shows_one_bar_and_one_line_per_evaluation(tiny_sd3, prompt_file, tmp_path):
+    """About 20 lines for a run with 3 evaluations: no per-epoch bars, no known-noise warnings."""
+    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--eval_prompt_dataset", prompt_file,
+                               "--eval_steps", "2", "--eval_max_batches", "1", "--eval_batch_size", "4"))
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    output = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert output.count("\n") < 15, output
+    assert len([l for l in output.splitlines() if "eval at step" in l]) == 3  # before training, steps 2 and 4
+    final_bar = output.rsplit("\r", 1)[-1] if "\r" in output else output
+    assert "training: 100%" in output and "4/4" in output and "reward jpeg_compressibility" in output, final_bar
+    for noise in ("epoch 0 rollout", "epoch 0 update", "requires torchvision", "float32: []", "Setting accelerator to CPU",
+                  "Generating train split"):
+        assert noise not in output, noise
