@@ -70,7 +70,7 @@ def parse_args(input_args=None):
     parser.add_argument("--mixed_precision", type=str, default="no", choices=sorted(WEIGHT_DTYPES),
                         help="Weight dtype of the model while sampling.")
     parser.add_argument("--save_samples", type=int, default=16,
-                        help="How many samples (first in prompt order) go into the grid and MP4s; -1 = all.")
+                        help="How many samples (evenly spaced over the prompts) go into the grid and MP4s; -1 = all.")
     parser.add_argument("--fps", type=float, default=16.0, help="Frame rate of the written MP4s.")
     parser.add_argument("--output_dir", type=str, default="genrl-eval")
     args = parser.parse_args(input_args)

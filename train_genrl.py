@@ -65,131 +65,207 @@ DEFAULT_RUN_BY_OBJECTIVE = {
 logger = get_logger(__name__)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description="GRPO fine-tuning of flow-matching image and video generators.")
-    # Model
-    parser.add_argument("--pretrained_model_name_or_path", type=str, default=None,
-                        help="Diffusers pipeline folder or Hub id (Wan, SD3, FLUX). Default: the shipped toy model.")
-    parser.add_argument("--revision", type=str, default=None)
-    parser.add_argument("--variant", type=str, default=None)
-    parser.add_argument("--output_dir", type=str, default="genrl-output")
-    parser.add_argument("--logging_dir", type=str, default="logs")
-    parser.add_argument("--seed", type=int, default=42, help="Run seed: with the epoch and prompt it fixes every sample.")
-    # Data
-    parser.add_argument("--prompt_dataset", type=str, default=None,
-                        help="Training prompts: .txt (one per line), .jsonl/.csv with --prompt_column, a saved dataset or a Hub dataset.")
-    parser.add_argument("--eval_prompt_dataset", type=str, default=None,
-                        help="Held-out prompts for evaluation (default: the --eval_split of --prompt_dataset if it has one).")
-    parser.add_argument("--prompt_column", type=str, default="prompt")
-    parser.add_argument("--train_split", type=str, default="train")
-    parser.add_argument("--eval_split", type=str, default="test")
-    # Rewards
-    parser.add_argument("--reward_fn", type=str, default=None,
-                        help='Rewards and weights, "name:weight,name:weight" (registered names or package.module:function).')
-    parser.add_argument("--reward_options", type=str, default=None,
-                        help='JSON (or a .json file) of per-reward options, e.g. {"hpsv3": {"checkpoint": "...", "base_model": "..."}}.')
-    parser.add_argument("--reward_mode", choices=["async", "sync"], default="async",
-                        help="async: score batch i in a thread while batch i+1 denoises (reward models on --reward_device). "
-                             "sync: reward models on the training device, scored after all rollouts of the epoch.")
-    parser.add_argument("--reward_device", type=str, default="cpu", help="Device of reward models in async mode.")
-    parser.add_argument("--reward_workers", type=int, default=1)
-    parser.add_argument("--reward_clear_before_train", action="store_true",
-                        help="Free reward models before the policy update and rebuild them next epoch (tight memory).")
-    parser.add_argument("--reward_combine", choices=["sum", "normalize_each"], default="sum",
-                        help="sum: normalise the weighted sum of rewards; normalize_each: normalise each reward, then sum with weights.")
-    # Sampling
-    parser.add_argument("--resolution", type=int, default=None, help="Square size; or set --height/--width.")
-    parser.add_argument("--height", type=int, default=None)
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--num_frames", type=int, default=None, help="Video frames (video models).")
-    parser.add_argument("--num_inference_steps", type=int, default=10)
-    parser.add_argument("--guidance_scale", type=float, default=4.5)
-    parser.add_argument("--negative_prompt", type=str, default="")
-    parser.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
-    parser.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde")
-    parser.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
-    parser.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                        help="Window start is drawn per prompt in [LO, HI - size].")
-    parser.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
-                        help="All K samples of a prompt start from the same noise.")
-    # Objective
-    parser.add_argument("--objective", choices=["grpo", "nft", "awm"], default=None,
-                        help="Default grpo (nft in the no-argument run). "
-                             "grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
-                             "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
-                             "samples noised again (any sampler, no log-probs).")
-    parser.add_argument("--nft_beta", type=float, default=1.0,
-                        help="NFT's step size beta: how far the implicit positive/negative policies sit from the sampling one.")
-    # GRPO
-    parser.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
-    parser.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
-    parser.add_argument("--rollout_batches_per_epoch", type=int, default=2, help="Rollout batches per process per epoch.")
-    parser.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=1,
-                        help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
-    parser.add_argument("--num_inner_epochs", type=int, default=1, help="Passes over an epoch's samples.")
-    parser.add_argument("--timestep_fraction", type=float, default=1.0,
-                        help="Fraction of the timesteps trained on per sample: of the stochastic steps (grpo), "
-                             "of the sampling steps (nft, awm).")
-    parser.add_argument("--no_timestep_shuffle", action="store_true", help="Train on the first steps, in order.")
-    parser.add_argument("--clip_range", type=float, default=1e-3)
-    parser.add_argument("--adv_clip_max", type=float, default=5.0)
-    parser.add_argument("--std_mode", choices=["group", "global", "max_group"], default="group")
-    parser.add_argument("--beta", type=float, default=0.0, help="KL weight against the reference policy.")
-    parser.add_argument("--filter_zero_advantage", action="store_true",
-                        help="Drop zero-advantage samples (every rank keeps the same count).")
-    # Optimisation
-    parser.add_argument("--learning_rate", type=float, default=1e-4)
-    parser.add_argument("--adam_beta1", type=float, default=0.9)
-    parser.add_argument("--adam_beta2", type=float, default=0.999)
-    parser.add_argument("--adam_weight_decay", type=float, default=1e-4)
-    parser.add_argument("--adam_epsilon", type=float, default=1e-8)
-    parser.add_argument("--max_grad_norm", type=float, default=1.0)
-    parser.add_argument("--lr_scheduler", type=str, default="constant")
-    parser.add_argument("--lr_warmup_steps", type=int, default=0)
-    parser.add_argument("--num_epochs", type=int, default=100)
-    parser.add_argument("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
-    parser.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None)
-    parser.add_argument("--allow_tf32", action="store_true")
-    parser.add_argument("--gradient_checkpointing", action="store_true")
-    # LoRA
-    parser.add_argument("--use_lora", action="store_true")
-    parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--lora_alpha", type=int, default=64)
-    parser.add_argument("--lora_target_modules", type=str, default="to_q,to_k,to_v,to_out.0",
-                        help="Comma-separated module names (suffixes) to adapt.")
-    # EMA
-    parser.add_argument("--use_ema", action="store_true")
-    parser.add_argument("--ema_decay", type=float, default=0.9)
-    parser.add_argument("--ema_update_interval", type=int, default=8,
-                        help="Update the EMA every N optimizer steps (the global step count, not micro batches).")
-    parser.add_argument("--ema_warmup", action="store_true")
-    parser.add_argument("--ema_device", type=str, default=None, help="Where the fp32 shadow lives (default: with the weights).")
-    # Checkpoints, evaluation, logging
-    parser.add_argument("--checkpointing_steps", type=int, default=None,
-                        help="Checkpoint at the end of each epoch in which the optimizer step count passed a multiple of this.")
-    parser.add_argument("--checkpoints_total_limit", type=int, default=None)
-    parser.add_argument("--resume_from_checkpoint", type=str, default=None, help='"latest" or a checkpoint folder.')
-    parser.add_argument("--eval_steps", type=int, default=None,
-                        help="Evaluate before training, then at the end of each epoch that passed a multiple of this many steps.")
-    parser.add_argument("--eval_max_batches", type=int, default=4)
-    parser.add_argument("--eval_batch_size", type=int, default=8)
-    parser.add_argument("--eval_num_inference_steps", type=int, default=None)
-    parser.add_argument("--eval_guidance_scale", type=float, default=None)
-    parser.add_argument("--eval_seed", type=int, default=0)
-    parser.add_argument("--eval_reward_fn", type=str, default=None,
-                        help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
-    parser.add_argument("--eval_log_samples", type=int, default=8, help="Evaluation samples shown in the logged grid.")
-    parser.add_argument("--eval_video_fps", type=float, default=16.0, help="Frame rate of the evaluation MP4s (video models).")
-    parser.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
-    parser.add_argument("--tracker_project_name", type=str, default="genrl")
-    # Hub
-    parser.add_argument("--push_to_hub", action="store_true")
-    parser.add_argument("--hub_model_id", type=str, default=None)
-    parser.add_argument("--hub_token", type=str, default=None)
-    parser.add_argument("--hub_private", action="store_true")
-    parser.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: the usage block (80 lines here) would bury
+    the sentence that says what to change; ``--help`` still shows it."""
 
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, an off switch),
+    and keeps the epilog's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def default_run_epilog() -> str:
+    """The --help epilog: what the no-argument run sets (DEFAULT_RUN), shipped paths made relative."""
+    shown = {k: os.path.relpath(v, GENRL_ROOT) if isinstance(v, str) and v.startswith(GENRL_ROOT) else v
+             for k, v in {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[DEFAULT_RUN["objective"]]}.items()}
+    lines = [
+        f"  --{k}" if v is True else f"  --no-{k}" if v is False
+        else f"  --{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in shown.items()
+    ]
+    others = "; ".join(
+        f"{o}: " + ", ".join(f"{k} {v}" for k, v in values.items())
+        for o, values in DEFAULT_RUN_BY_OBJECTIVE.items() if o != DEFAULT_RUN["objective"]
+    )
+    return (
+        "Without --pretrained_model_name_or_path the run is the embedded default (DEFAULT_RUN in\n"
+        "train_genrl.py): the shipped toy model, its prompts and reward, with these values in place\n"
+        "of the defaults shown above (any flag you pass still wins):\n" + "\n".join(lines) + "\n"
+        f"With another --objective the toy run samples as that objective needs ({others}).\n"
+        "Passing --pretrained_model_name_or_path leaves all of them: the defaults above apply, and\n"
+        "--prompt_dataset and --reward_fn become required."
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the trainer, in groups, each with a line of help and its default."""
+    parser = OneLineErrorParser(
+        prog="train_genrl.py",
+        usage="%(prog)s [--flag VALUE ...]   (flags below, by group)",
+        description="GRPO fine-tuning of flow-matching image and video generators (Wan, SD3, FLUX).",
+        epilog=default_run_epilog(),
+        formatter_class=HelpFormatter,
+    )
+    group = parser.add_argument_group("model")
+    group.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                       help="Diffusers pipeline folder or Hub id (Wan, SD3, FLUX). Default: the shipped toy model "
+                            "and the rest of DEFAULT_RUN (see the end of this help).")
+    group.add_argument("--revision", type=str, default=None, help="Hub revision (branch, tag or commit) of the model.")
+    group.add_argument("--variant", type=str, default=None, help='Weight file variant to load, e.g. "fp16".')
+
+    group = parser.add_argument_group("data")
+    group.add_argument("--prompt_dataset", type=str, default=None,
+                       help="Training prompts: .txt (one per line), .jsonl/.csv with --prompt_column, a saved dataset or a Hub dataset.")
+    group.add_argument("--eval_prompt_dataset", type=str, default=None,
+                       help="Held-out prompts for evaluation (default: the --eval_split of --prompt_dataset if it has one).")
+    group.add_argument("--prompt_column", type=str, default="prompt",
+                       help="Column holding the prompt in .jsonl/.csv/datasets; other columns reach rewards as metadata.")
+    group.add_argument("--train_split", type=str, default="train", help="Split of a dataset used for training.")
+    group.add_argument("--eval_split", type=str, default="test", help="Split of a dataset used for evaluation.")
+
+    group = parser.add_argument_group("rewards")
+    group.add_argument("--reward_fn", type=str, default=None,
+                       help='Rewards and weights, "name:weight,name:weight" (registered names or package.module:function).')
+    group.add_argument("--reward_options", type=str, default=None,
+                       help='JSON (or a .json file) of per-reward options, e.g. {"hpsv3": {"checkpoint": "...", "base_model": "..."}}.')
+    group.add_argument("--reward_mode", choices=["async", "sync"], default="async",
+                       help="async: score batch i in a thread while batch i+1 denoises (reward models on --reward_device). "
+                            "sync: reward models on the training device, scored after all rollouts of the epoch.")
+    group.add_argument("--reward_device", type=str, default="cpu", help="Device of reward models in async mode.")
+    group.add_argument("--reward_workers", type=int, default=1, help="Threads scoring rollout batches in async mode.")
+    group.add_argument("--reward_clear_before_train", action="store_true",
+                       help="Free reward models before the policy update and rebuild them next epoch (tight memory).")
+    group.add_argument("--reward_combine", choices=["sum", "normalize_each"], default="sum",
+                       help="sum: normalise the weighted sum of rewards; normalize_each: normalise each reward, then sum with weights.")
+
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--seed", type=int, default=42, help="Run seed: with the epoch and prompt it fixes every sample.")
+    group.add_argument("--resolution", type=int, default=None, help="Square size; or set --height/--width.")
+    group.add_argument("--height", type=int, default=None, help="Sample height in pixels (default: the model's).")
+    group.add_argument("--width", type=int, default=None, help="Sample width in pixels (default: the model's).")
+    group.add_argument("--num_frames", type=int, default=None, help="Video frames (video models; default: the model's).")
+    group.add_argument("--num_inference_steps", type=int, default=10, help="Denoising steps per sample.")
+    group.add_argument("--guidance_scale", type=float, default=4.5, help="Classifier-free guidance scale (1: off).")
+    group.add_argument("--negative_prompt", type=str, default="", help="Negative prompt for classifier-free guidance.")
+    group.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
+    group.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde",
+                       help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one.")
+    group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
+    group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                       help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")
+    group.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
+                       help="All K samples of a prompt start from the same noise.")
+
+    group = parser.add_argument_group("objective and GRPO")
+    group.add_argument("--objective", choices=["grpo", "nft", "awm"], default=None,
+                       help="Default grpo (the no-argument run: nft). grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
+                            "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
+                            "samples noised again (any sampler, no log-probs).")
+    group.add_argument("--nft_beta", type=float, default=1.0,
+                       help="NFT's step size beta: how far the implicit positive/negative policies sit from the sampling one.")
+    group.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
+    group.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
+    group.add_argument("--rollout_batches_per_epoch", type=int, default=2, help="Rollout batches per process per epoch.")
+    group.add_argument("--num_inner_epochs", type=int, default=1, help="Passes over an epoch's samples.")
+    group.add_argument("--timestep_fraction", type=float, default=1.0,
+                       help="Fraction of the timesteps trained on per sample: of the stochastic steps (grpo), "
+                            "of the sampling steps (nft, awm).")
+    group.add_argument("--no_timestep_shuffle", action="store_true", help="Train on the first steps, in order.")
+    group.add_argument("--clip_range", type=float, default=1e-3, help="PPO clip range of the probability ratio.")
+    group.add_argument("--adv_clip_max", type=float, default=5.0, help="Advantages are clipped to [-this, this].")
+    group.add_argument("--std_mode", choices=["group", "global", "max_group"], default="group",
+                       help="Whose standard deviation normalises the advantages: the prompt group's, the epoch's, "
+                            "or the largest group's.")
+    group.add_argument("--beta", type=float, default=0.0, help="KL weight against the reference policy.")
+    group.add_argument("--filter_zero_advantage", action="store_true",
+                       help="Drop zero-advantage samples (every rank keeps the same count).")
+
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
+    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
+    group.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW learning rate.")
+    group.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW beta1.")
+    group.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2.")
+    group.add_argument("--adam_weight_decay", type=float, default=1e-4, help="AdamW weight decay.")
+    group.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon.")
+    group.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient norm clipping threshold.")
+    group.add_argument("--lr_scheduler", type=str, default="constant",
+                       help='diffusers scheduler name: "constant", "constant_with_warmup", "linear", "cosine", ...')
+    group.add_argument("--lr_warmup_steps", type=int, default=0, help="Warm-up optimizer steps of the scheduler.")
+    group.add_argument("--num_epochs", type=int, default=100, help="Stop after this many epochs (or --max_train_steps).")
+    group.add_argument("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
+
+    group = parser.add_argument_group("memory and speed")
+    group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                       help="Autocast precision (default: the accelerate config's); the SDE math stays fp32.")
+    group.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
+    group.add_argument("--gradient_checkpointing", action="store_true",
+                       help="Recompute the transformer's activations in the backward pass (less memory, slower).")
+
+    group = parser.add_argument_group("LoRA")
+    group.add_argument("--use_lora", action="store_true", help="Train a LoRA adapter instead of every transformer weight.")
+    group.add_argument("--rank", type=int, default=32, help="LoRA rank.")
+    group.add_argument("--lora_alpha", type=int, default=64, help="LoRA alpha (scale = alpha / rank).")
+    group.add_argument("--lora_target_modules", type=str, default="to_q,to_k,to_v,to_out.0",
+                       help="Comma-separated module names (suffixes) to adapt.")
+
+    group = parser.add_argument_group("EMA")
+    group.add_argument("--use_ema", action="store_true", help="Keep an fp32 EMA of the trained weights (used by eval and export).")
+    group.add_argument("--ema_decay", type=float, default=0.9, help="EMA decay per update.")
+    group.add_argument("--ema_update_interval", type=int, default=8,
+                       help="Update the EMA every N optimizer steps (the global step count, not micro batches).")
+    group.add_argument("--ema_warmup", action="store_true", help="Ramp the decay up from 0 over the first updates.")
+    group.add_argument("--ema_device", type=str, default=None, help="Where the fp32 shadow lives (default: with the weights).")
+
+    group = parser.add_argument_group("evaluation")
+    group.add_argument("--eval_steps", type=int, default=None,
+                       help="Evaluate before training, then at the end of each epoch that passed a multiple of this many steps.")
+    group.add_argument("--eval_max_batches", type=int, default=4, help="Evaluate on at most this many batches of prompts.")
+    group.add_argument("--eval_batch_size", type=int, default=8, help="Prompts per evaluation batch (all processes together).")
+    group.add_argument("--eval_num_inference_steps", type=int, default=None, help="Evaluation steps (default: --num_inference_steps).")
+    group.add_argument("--eval_guidance_scale", type=float, default=None, help="Evaluation guidance (default: --guidance_scale).")
+    group.add_argument("--eval_seed", type=int, default=0, help="Seed of the evaluation noise (the same at every evaluation).")
+    group.add_argument("--eval_reward_fn", type=str, default=None,
+                       help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
+    group.add_argument("--eval_log_samples", type=int, default=8,
+                       help="Evaluation samples shown in the logged grid, evenly spaced over the evaluated prompts.")
+    group.add_argument("--eval_video_fps", type=float, default=16.0, help="Frame rate of the evaluation MP4s (video models).")
+
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--checkpointing_steps", type=int, default=None,
+                       help="Checkpoint at the end of each epoch in which the optimizer step count passed a multiple of this.")
+    group.add_argument("--checkpoints_total_limit", type=int, default=None,
+                       help="Keep at most this many checkpoints (the oldest is removed after a new one is complete).")
+    group.add_argument("--resume_from_checkpoint", type=str, default=None, help='"latest" or a checkpoint folder.')
+
+    group = parser.add_argument_group("Hub")
+    group.add_argument("--push_to_hub", action="store_true", help="Upload the export and its model card at the end.")
+    group.add_argument("--hub_model_id", type=str, default=None, help="Hub repo to push to (default: the --output_dir name).")
+    group.add_argument("--hub_token", type=str, default=None,
+                       help="Hub token for the upload (never recorded; `hf auth login` or HF_TOKEN keep it off the command line).")
+    group.add_argument("--hub_private", action="store_true", help="Create the Hub repo private.")
+    group.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
+
+    group = parser.add_argument_group("output and logging")
+    group.add_argument("--output_dir", type=str, default="genrl-output", help="Where the export, samples, logs and checkpoints go.")
+    group.add_argument("--logging_dir", type=str, default="logs", help="Folder of metrics.jsonl and tracker logs, inside --output_dir.")
+    group.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
+    group.add_argument("--tracker_project_name", type=str, default="genrl", help="Project name for the trackers.")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     known = parser.parse_known_args(argv)[0]
     if known.pretrained_model_name_or_path is None:
         objective = known.objective or DEFAULT_RUN["objective"]
@@ -200,7 +276,7 @@ def parse_args(argv=None):
     try:
         validate_args(args)
     except (ValueError, FileNotFoundError) as e:
-        parser.error(str(e))
+        parser.error(str(e))  # one line (OneLineErrorParser), exit status 2
     return args
 
 
@@ -280,9 +356,11 @@ def main(args):
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
     from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
     from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
+    from genrl.console import eval_line, planned_steps, progress_postfix
     from genrl.data import load_prompts
     from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
     from genrl.ema import EMA
+    from genrl.errors import SetupError
     from genrl.grpo import select_train_timesteps
     from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
     from genrl.policies import load_policy
@@ -312,7 +390,11 @@ def main(args):
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
-    logger.info(accelerator.state, main_process_only=False)
+    logger.info(
+        f"process {accelerator.process_index} of {accelerator.num_processes} on {accelerator.device} "
+        f"(distributed type {accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})",
+        main_process_only=False,
+    )
     if accelerator.is_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     if args.allow_tf32 and torch.cuda.is_available():
@@ -332,7 +414,10 @@ def main(args):
     # ---- Models --------------------------------------------------------------------------
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     with zero_init_disabled():  # frozen parts and reward models are never sharded
-        policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+        try:
+            policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+        except SetupError as e:
+            raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)
         reward_options = load_reward_options(args.reward_options)
         # In sync mode reward models wait on the CPU and visit the training device to score.
@@ -453,20 +538,21 @@ def main(args):
         """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.evaluation import evaluate, save_image_grid, save_videos, score_caption
+        from genrl.evaluation import compact_scores, evaluate, save_image_grid, save_videos, score_caption
 
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
             result = evaluate(
                 policy, model, eval_set.prompts, eval_reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
                 max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
-                metadata=eval_set.metadata, keep_samples=args.eval_log_samples,
+                metadata=eval_set.metadata, keep_samples=args.eval_log_samples, show_progress=False,
             )
         values = result.log_dict("eval")
         values["time/elapsed_s"] = time.perf_counter() - launch_time
         log(values, global_step, epoch)
         if accelerator.is_main_process and result.samples is not None:
-            captions = [r["prompt"] + ": " + score_caption(r["scores"]) for r in result.per_prompt[: len(result.samples)]]
+            captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
+                        for r in result.sample_rows()]
             grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
                                    captions=captions)
             log_image(accelerator, "eval/samples", grid, global_step)
@@ -474,7 +560,8 @@ def main(args):
                 videos = save_videos(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}"),
                                      fps=args.eval_video_fps)
                 log_videos(accelerator, "eval/videos", videos, global_step)
-        accelerator.print(f"eval at step {global_step}: " + ", ".join(f"{k}={v:.4f}" for k, v in values.items() if k.endswith("_mean")))
+        if accelerator.is_main_process:
+            tqdm.write(eval_line(global_step, values))  # above the progress bar, which stays at the bottom
         return values
 
     def crossed(every: int | None, before: int, after: int) -> bool:
@@ -484,6 +571,17 @@ def main(args):
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
         f"{n_train_steps} trained timesteps per sample"
+    )
+    # One bar over the whole run (optimizer steps, ETA, latest rewards); per-phase bars would
+    # print two lines per epoch.
+    progress = tqdm(
+        total=planned_steps(
+            num_epochs=args.num_epochs, max_train_steps=args.max_train_steps,
+            samples_per_epoch=args.rollout_batch_size * args.rollout_batches_per_epoch,
+            train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
+            num_inner_epochs=args.num_inner_epochs,
+        ),
+        initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
     last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
@@ -503,7 +601,7 @@ def main(args):
                 reward_fn = build_rewards()
         scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
         rollouts = []
-        for batch in tqdm(sampler.batches(epoch), desc=f"epoch {epoch} rollout", disable=not accelerator.is_local_main_process):
+        for batch in sampler.batches(epoch):
             prompts = [train_set.prompts[i] for i, _ in batch]
             metadata = [train_set.metadata[i] for i, _ in batch]
             rollout = sample_rollout(
@@ -547,7 +645,6 @@ def main(args):
         epoch_logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
         epoch_logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
         epoch_logs["reward/zero_std_ratio"] = zero_std_ratio(sum(reward_weights[n] * gathered[n] for n in names), group_ids)
-        epoch_logs["train/advantage_abs_mean"] = advantages.abs().mean().item()
         epoch_logs["train/kept_fraction"] = keep.float().mean().item()
 
         # 3. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
@@ -565,8 +662,6 @@ def main(args):
                 fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
                 model.train()
         step_stats, grad_norms = [], []
-        progress = tqdm(total=args.num_inner_epochs * len(kept) // micro, desc=f"epoch {epoch} update",
-                        disable=not accelerator.is_local_main_process)
         reached_max_steps = False
         for _ in range(args.num_inner_epochs):
             order = kept[torch.randperm(len(kept), generator=generator)]
@@ -599,7 +694,7 @@ def main(args):
                 step_stats.append({k: float(v) for k, v in stats.items()})
                 if accelerator.sync_gradients:
                     global_step += 1
-                    progress.update(args.gradient_accumulation_steps)
+                    progress.update(1)
                     if ema is not None:
                         ema.step(global_step)
                     if args.max_train_steps is not None and global_step >= args.max_train_steps:
@@ -607,7 +702,6 @@ def main(args):
                         break
             if reached_max_steps:
                 break
-        progress.close()
         del forward_batch
         timings["time/train_s"] = time.perf_counter() - t0
 
@@ -622,13 +716,10 @@ def main(args):
         epoch_logs.update(timings)
         epoch_logs["time/elapsed_s"] = time.perf_counter() - launch_time
         log(epoch_logs, global_step, epoch)
-        accelerator.print(
-            f"epoch {epoch} step {global_step}: "
-            + ", ".join(f"{k.split('/')[1]}={epoch_logs[k]:.4f}" for k in epoch_logs if k.startswith("reward/") and k.endswith("_mean"))
-        )
         done = reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
+        progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
             for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
                 push.exception()
@@ -646,23 +737,28 @@ def main(args):
         if reached_max_steps:
             break
 
+    progress.close()
+
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
     push_failed = False
     if accelerator.is_main_process:
         from genrl.hub import HubPushError, push_to_hub
-        from genrl.model_card import write_model_card
+        from genrl.model_card import first_and_last_eval, write_model_card
         from genrl.plots import plot_training_curves
 
         images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
         if os.path.exists(metrics_path):
             images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
+        evals = first_and_last_eval(metrics_path)
         write_model_card(
             args.output_dir,
             base_model=run_config["base_model"],
             reward_spec=args.reward_fn,
             hyperparameters=run_config["args"],
-            eval_metrics=last_eval or None,
+            eval_metrics=evals[-1][1] if evals else last_eval or None,
+            baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
+            eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
             sample_images=images,
             launch_command=run_config["launch_command"],
             tags=["genrl", "grpo", policy.family],
@@ -709,5 +805,23 @@ def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
             tracker.log({tag: [wandb.Video(path, format="mp4") for path in mp4_paths]}, step=step)
 
 
+def run(argv=None) -> None:
+    """The command line: a problem the user fixes with one change (a model or reward weights
+    that cannot be fetched) ends in its one sentence and exit status 1, not in a traceback."""
+    from genrl.console import hide_loading_bars, silence_known_noise
+    from genrl.errors import find_setup_error
+
+    silence_known_noise()  # before the libraries load: some warn on import
+    args = parse_args(argv)
+    hide_loading_bars()
+    try:
+        main(args)
+    except Exception as error:
+        setup_error = find_setup_error(error)
+        if setup_error is None:
+            raise
+        raise SystemExit(f"train_genrl.py: error: {setup_error}") from None
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    run()

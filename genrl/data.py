@@ -22,12 +22,26 @@ class PromptSet:
 _FILE_BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
+def _without_progress_bars(load):
+    """``load()`` with datasets' progress bars off: a local prompt file loads in a moment, and
+    its "Generating train split" bar would be one more console line per run."""
+    was_enabled = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return load()
+    finally:
+        if was_enabled:
+            datasets.enable_progress_bars()
+
+
 def _load_split(source: str, split: str) -> datasets.Dataset:
     ext = os.path.splitext(source)[1].lower()
     if os.path.isfile(source):
         if ext not in _FILE_BUILDERS:
             raise ValueError(f"Prompt file {source!r} has extension {ext!r}; expected one of {sorted(_FILE_BUILDERS)}.")
-        return datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split="train")
+        return _without_progress_bars(
+            lambda: datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split="train")
+        )
     if os.path.isdir(source):
         if os.path.exists(os.path.join(source, "dataset_dict.json")):
             return datasets.load_from_disk(source)[split]

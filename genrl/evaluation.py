@@ -35,6 +35,7 @@ from genrl.policies.base import FlowPolicy
 from genrl.rewards.layouts import prepare_images_tensor
 from genrl.rewards.video_io import write_video
 from genrl.rollout import SamplingConfig, sample_rollout
+from genrl.scores import drop_repeated_total
 
 
 def make_eval_generator() -> torch.Generator:
@@ -54,15 +55,24 @@ class EvalResult:
         applies to (see ``score_stats``), "total" included.
     per_prompt: ``[{"index": i, "prompt": p, "scores": {reward: score or None}}]`` in prompt
         order; None where the reward does not apply (it returned NaN).
-    samples: uint8 ``(N, F, H, W, C)`` on the CPU, the first ``keep_samples`` samples in prompt
-        order (for grids and videos), or None when none were kept.
+    samples: uint8 ``(N, F, H, W, C)`` on the CPU, ``keep_samples`` samples spread evenly over
+        the evaluated prompts (for grids and videos), or None when none were kept.
     settings: how it was sampled (seed, batch size, batches, steps, guidance, size, ...).
+    sample_indices: the prompt index of each kept sample (empty: the first ``len(samples)``).
     """
 
     metrics: dict[str, dict[str, float]]
     per_prompt: list[dict[str, Any]]
     samples: torch.Tensor | None
     settings: dict[str, Any] = field(default_factory=dict)
+    sample_indices: list[int] = field(default_factory=list)
+
+    def sample_rows(self) -> list[dict[str, Any]]:
+        """The ``per_prompt`` rows of the kept samples, in the order of ``samples``."""
+        if self.samples is None:
+            return []
+        rows = {r["index"]: r for r in self.per_prompt}
+        return [rows[i] for i in self.sample_indices or [r["index"] for r in self.per_prompt[: len(self.samples)]]]
 
     def to_json(self) -> dict[str, Any]:
         """The JSON-able part: metrics, per-prompt scores, settings (no samples)."""
@@ -87,6 +97,17 @@ def eval_batches(num_prompts: int, batch_size: int, max_batches: int | None) -> 
         raise ValueError(f"max_batches must be at least 1, or None for every prompt; got {max_batches}.")
     batches = [range(i, min(i + batch_size, num_prompts)) for i in range(0, num_prompts, batch_size)]
     return batches if max_batches is None else batches[:max_batches]
+
+
+def spread_indices(num_prompts: int, keep: int | None) -> list[int]:
+    """``keep`` prompt indices evenly spaced over ``range(num_prompts)`` (all when None or more).
+
+    Prompt files are often ordered by kind (the toy prompts: counts first, then positions), so
+    the first few would all be of one kind; evenly spaced ones cover the whole set.
+    """
+    if keep is None or keep >= num_prompts:
+        return list(range(num_prompts))
+    return [i * num_prompts // keep for i in range(keep)]
 
 
 def batches_of_process(num_batches: int, process_index: int, num_processes: int) -> list[int | None]:
@@ -164,6 +185,7 @@ def evaluate(
     accelerator=None,
     metadata: Sequence[Mapping] | None = None,
     keep_samples: int | None = None,
+    show_progress: bool = True,
 ) -> EvalResult:
     """Evaluate ``transformer`` (in ``policy``'s pipeline) on the first ``max_batches`` global
     batches of ``prompts`` and score the samples with ``reward_fn``.
@@ -171,8 +193,9 @@ def evaluate(
     Call it on every process with the same arguments (it shards the batches itself); every
     process gets the same ``EvalResult``. ``config`` gives the steps, guidance, size and
     negative prompt; its noise level and SDE settings are ignored (sampling is the ODE).
-    ``keep_samples``: how many samples (first in prompt order) to keep as uint8 in the result
-    (None = all). Only kept samples cross processes; keep it small for large videos.
+    ``keep_samples``: how many samples to keep as uint8 in the result, spread evenly over the
+    evaluated prompts (``spread_indices``; None = all). Only kept samples cross processes; keep
+    it small for large videos. ``show_progress``: a progress bar on the main process.
     """
     if not prompts:
         raise ValueError("evaluate got an empty prompt list; give at least one prompt.")
@@ -182,6 +205,7 @@ def evaluate(
         raise ValueError(f"keep_samples must be >= 0 or None (all); got {keep_samples}.")
     config = dataclasses.replace(config, noise_level=0.0, sde_window_size=0)
     batches = eval_batches(len(prompts), batch_size, max_batches)
+    shown = set(spread_indices(sum(len(b) for b in batches), keep_samples))
     rank = accelerator.process_index if accelerator is not None else 0
     world = accelerator.num_processes if accelerator is not None else 1
     is_main = accelerator is None or accelerator.is_main_process
@@ -192,7 +216,7 @@ def evaluate(
     try:
         records = []  # (index, prompt, scores, uint8 sample or None)
         plan = batches_of_process(len(batches), rank, world)
-        for slot in tqdm(plan, desc="eval", disable=not is_main):
+        for slot in tqdm(plan, desc="eval", disable=not (is_main and show_progress)):
             # A process with no batch left re-runs its last one (or the first) and drops it.
             batch_idx = slot if slot is not None else next((b for b in reversed(plan) if b is not None), 0)
             indices = list(batches[batch_idx])
@@ -204,7 +228,7 @@ def evaluate(
             batch_metadata = [metadata[i] for i in indices] if metadata is not None else None
             scores = reward_fn(samples, batch_prompts, batch_metadata)
             scores = {name: torch.as_tensor(value).detach().float().cpu() for name, value in scores.items()}
-            kept = [keep_samples is None or i < keep_samples for i in indices]
+            kept = [i in shown for i in indices]
             images = prepare_images_tensor(samples) if any(kept) else None
             for j, i in enumerate(indices):
                 sample_scores = {name: float(value[j]) for name, value in scores.items()}
@@ -242,6 +266,7 @@ def evaluate(
         per_prompt=per_prompt,
         samples=torch.stack(kept_samples) if kept_samples else None,
         settings=settings,
+        sample_indices=[r[0] for r in records if r[3] is not None],
     )
 
 
@@ -334,10 +359,23 @@ def save_videos(samples: torch.Tensor | np.ndarray, directory: str, fps: float, 
     return [write_video(os.path.join(directory, f"{name}.mp4"), video, fps) for name, video in zip(names, videos)]
 
 
-def score_caption(scores: Mapping[str, float], prefix: str = "", sep: str = "  ") -> str:
-    """``"total 0.123  jpeg -1.2"``: the scores of one sample, total first."""
+def score_caption(scores: Mapping[str, float], prefix: str = "", sep: str = "  ", between: str = " ") -> str:
+    """``"total 0.123  jpeg -1.2"``: the scores of one sample, total first; ``between`` goes
+    between a name and its value ("=" keeps the pair on one line of a wrapped caption)."""
     ordered = sorted(scores.items(), key=lambda kv: (kv[0] != "total", kv[0]))
-    return prefix + sep.join(f"{name} {_fmt(value)}" for name, value in ordered)
+    return prefix + sep.join(f"{name}{between}{_fmt(value)}" for name, value in ordered)
+
+
+def compact_scores(scores: Mapping[str, float | None]) -> dict[str, float]:
+    """The scores worth a caption line: no "n/a" (None or NaN), no "total" when it repeats the
+    one reward it sums, and sub-scores named without their reward's prefix
+    (``toy_geneval_color`` -> ``color``), so a caption stays smaller than a 32x32 sample."""
+    kept = drop_repeated_total({k: v for k, v in scores.items() if v is not None and not math.isnan(v)})
+    out = {}
+    for name, value in kept.items():
+        parent = next((p for p in kept if p != name and name.startswith(p + "_")), None)
+        out[name[len(parent) + 1 :] if parent else name] = value
+    return out
 
 
 def _fmt(value: float | None, spec: str = ".4g") -> str:
@@ -354,7 +392,7 @@ def save_eval_outputs(result: EvalResult, output_dir: str, *, fps: float = 16.0,
         json.dump(result.to_json(), f, indent=2, sort_keys=True)
         f.write("\n")
     if result.samples is not None and len(result.samples) > 0:
-        kept = result.per_prompt[: len(result.samples)]
+        kept = result.sample_rows()
         captions = [f"{r['prompt']}\n{score_caption({'total': r['scores']['total']}) if 'total' in r['scores'] else ''}"
                     for r in kept]
         paths["grid"] = save_image_grid(result.samples, os.path.join(output_dir, "samples.png"), nrow=nrow, captions=captions)
@@ -390,21 +428,20 @@ def save_comparison(
     os.makedirs(output_dir, exist_ok=True)
     paths: dict[str, str] = {}
     shown = 0 if result_a.samples is None or result_b.samples is None else min(len(result_a.samples), len(result_b.samples))
-    image_names: dict[int, tuple[str, str]] = {}
+    image_names: dict[int, tuple[str, str]] = {}  # prompt index -> (A's image, B's image)
     if shown:
         frames_a, frames_b = _grid_frames(result_a.samples[:shown], None), _grid_frames(result_b.samples[:shown], None)
         os.makedirs(os.path.join(output_dir, "compare_images"), exist_ok=True)
         cells, captions = [], []
-        for k in range(shown):
-            row_a, row_b = result_a.per_prompt[k], result_b.per_prompt[k]
+        for k, (row_a, row_b) in enumerate(zip(result_a.sample_rows()[:shown], result_b.sample_rows()[:shown])):
             names = (f"compare_images/{row_a['index']:05d}_a.png", f"compare_images/{row_a['index']:05d}_b.png")
             for name, frame in zip(names, (frames_a[k], frames_b[k])):
                 if not cv2.imwrite(os.path.join(output_dir, name), cv2.cvtColor(frame, cv2.COLOR_RGB2BGR)):
                     raise OSError(f"OpenCV could not write {os.path.join(output_dir, name)!r}.")
-            image_names[k] = names
+            image_names[row_a["index"]] = names
             cells += [frames_a[k], frames_b[k]]
-            scores_a = score_caption(row_a["scores"], labels[0] + ":\n", sep="\n")
-            scores_b = score_caption(row_b["scores"], labels[1] + ":\n", sep="\n")
+            scores_a = score_caption(compact_scores(row_a["scores"]), labels[0] + ":\n", sep="\n")
+            scores_b = score_caption(compact_scores(row_b["scores"]), labels[1] + ":\n", sep="\n")
             captions += [row_a["prompt"] + "\n" + scores_a, "\n" + scores_b]
         paths["grid"] = save_image_grid(np.stack(cells), os.path.join(output_dir, "compare.png"), nrow=2, captions=captions)
     paths["html"] = os.path.join(output_dir, "compare.html")
@@ -419,10 +456,10 @@ def _comparison_html(result_a, result_b, labels, image_names, video_dirs, output
     def scores_cell(scores: Mapping[str, float]) -> str:
         return "<br>".join(f"{escape(k)}: {_fmt(v)}" for k, v in sorted(scores.items(), key=lambda kv: (kv[0] != "total", kv[0])))
 
-    def media_cell(k: int, side: int, index: int) -> str:
+    def media_cell(side: int, index: int) -> str:
         parts = []
-        if k in image_names:
-            parts.append(f'<img src="{escape(image_names[k][side])}" width="256">')
+        if index in image_names:
+            parts.append(f'<img src="{escape(image_names[index][side])}" width="256">')
         if video_dirs[side] is not None:
             video = f"{video_dirs[side]}/{index:05d}.mp4"
             if os.path.isfile(os.path.join(output_dir, video)):
@@ -457,10 +494,10 @@ def _comparison_html(result_a, result_b, labels, image_names, video_dirs, output
         "<h2>Per prompt</h2>",
         f"<table><tr><th>#</th><th>prompt</th><th>{la}</th><th>{lb}</th><th>{la} scores</th><th>{lb} scores</th></tr>",
     ]
-    for k, (row_a, row_b) in enumerate(zip(result_a.per_prompt, result_b.per_prompt)):
+    for row_a, row_b in zip(result_a.per_prompt, result_b.per_prompt):
         rows.append(
             f"<tr><td>{row_a['index']}</td><td>{escape(row_a['prompt'])}</td>"
-            f"<td>{media_cell(k, 0, row_a['index'])}</td><td>{media_cell(k, 1, row_b['index'])}</td>"
+            f"<td>{media_cell(0, row_a['index'])}</td><td>{media_cell(1, row_b['index'])}</td>"
             f"<td>{scores_cell(row_a['scores'])}</td><td>{scores_cell(row_b['scores'])}</td></tr>"
         )
     rows += ["</table>", "</body></html>", ""]

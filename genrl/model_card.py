@@ -7,12 +7,15 @@ scores, sample images, the launch command).
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 from typing import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
+
+from genrl.scores import drop_repeated_total
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -34,15 +37,23 @@ This repository holds the fine-tuned transformer (`transformer/`, diffusers form
 ```python
 import torch
 from diffusers import DiffusionPipeline
-{% if is_lora %}
-pipe = DiffusionPipeline.from_pretrained("{{ base_model }}", torch_dtype=torch.bfloat16)
-pipe.load_lora_weights("{{ repo_hint }}", weight_name="pytorch_lora_weights.safetensors")
-{% else %}
-pipe = DiffusionPipeline.from_pretrained("{{ base_model }}", torch_dtype=torch.bfloat16)
-pipe.transformer = type(pipe.transformer).from_pretrained("{{ repo_hint }}", subfolder="transformer", torch_dtype=torch.bfloat16)
-{% endif %}pipe.to("cuda")
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+pipe = DiffusionPipeline.from_pretrained("{{ base_ref }}", torch_dtype=dtype)
+{% if is_lora %}pipe.load_lora_weights("{{ weights_ref }}", weight_name="pytorch_lora_weights.safetensors")
+{% else %}pipe.transformer = type(pipe.transformer).from_pretrained("{{ weights_ref }}", subfolder="transformer", torch_dtype=dtype)
+{% endif %}pipe.to(device)
 ```
-{% if eval_rows %}
+{% if before_after_rows %}
+## Evaluation
+
+Held-out prompts, deterministic sampling, before and after training:
+
+| reward | {{ before_label }} | {{ after_label }} | change |
+|---|---|---|---|
+{% for name, before, after, change in before_after_rows %}| {{ name }} | {{ before }} | {{ after }} | {{ change }} |
+{% endfor %}{% elif eval_rows %}
 ## Evaluation
 
 | reward | mean | std |
@@ -70,10 +81,10 @@ Launched with:
 _FLAT_KEY = re.compile(r"^(?:eval/)?(?P<name>.+)_(?P<stat>mean|std)$")
 
 
-def _eval_rows(eval_metrics: dict | None) -> list[tuple[str, str, str]]:
-    """Table rows (reward, mean, std) from ``{"name": {"mean": m, "std": s}}`` (an
+def _eval_stats(eval_metrics: dict | None) -> dict[str, dict]:
+    """``{name: {"mean": m, "std": s}}`` from ``{"name": {"mean": m, "std": s}}`` (an
     ``EvalResult.metrics``), ``{"eval/name_mean": m, "eval/name_std": s}`` (its ``log_dict()``)
-    or ``{"name": m}``."""
+    or ``{"name": m}``; "total" is left out when it repeats the one reward it sums."""
     stats: dict[str, dict] = {}
     for key, value in (eval_metrics or {}).items():
         flat = _FLAT_KEY.match(key) if not isinstance(value, dict) else None
@@ -83,7 +94,61 @@ def _eval_rows(eval_metrics: dict | None) -> list[tuple[str, str, str]]:
             stats.setdefault(flat["name"], {})[flat["stat"]] = value
         else:
             stats.setdefault(key, {})["mean"] = value
-    return [(name, _fmt(s.get("mean")), _fmt(s.get("std"))) for name, s in sorted(stats.items())]
+    means = drop_repeated_total({name: s.get("mean") for name, s in stats.items()})
+    return {name: s for name, s in stats.items() if name in means}
+
+
+def _eval_rows(eval_metrics: dict | None) -> list[tuple[str, str, str]]:
+    """Table rows (reward, mean, std); ``eval_metrics`` in any form ``_eval_stats`` reads."""
+    return [(name, _fmt(s.get("mean")), _fmt(s.get("std"))) for name, s in sorted(_eval_stats(eval_metrics).items())]
+
+
+def _before_after_rows(before: dict | None, after: dict | None) -> list[tuple[str, str, str, str]]:
+    """Table rows (reward, mean before, mean after, change) of the rewards both evaluations report."""
+    if not before or not after:
+        return []
+    first, last = _eval_stats(before), _eval_stats(after)
+    rows = []
+    for name in sorted(set(first) & set(last)):
+        a, b = first[name].get("mean"), last[name].get("mean")
+        change = f"{b - a:+.4f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
+        rows.append((name, _fmt(a), _fmt(b), change))
+    return rows
+
+
+def first_and_last_eval(metrics_jsonl_path: str) -> list[tuple[int, dict]]:
+    """``[(step, {"eval/<name>_mean": m, ...})]`` of the first and the last evaluation logged
+    in the trainer's ``metrics.jsonl`` (one entry when there was one; none without)."""
+    evals = []
+    if os.path.isfile(metrics_jsonl_path):
+        with open(metrics_jsonl_path, encoding="utf-8") as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:
+                    continue  # a run killed mid-write leaves a truncated line
+                values = {k: v for k, v in record.items() if k.startswith("eval/")}
+                if values:
+                    evals.append((int(record.get("step", 0)), values))
+    return evals[:1] + evals[1:][-1:]
+
+
+# Settings that only matter when their feature is on: (switch, keys); listed only when used.
+_FEATURE_SETTINGS = (
+    ("use_lora", ("rank", "lora_alpha", "lora_target_modules")),
+    ("use_ema", ("ema_decay", "ema_update_interval", "ema_warmup", "ema_device")),
+)
+
+
+def _used_hyperparameters(hyperparameters: dict) -> dict:
+    """``hyperparameters`` without the LoRA / EMA settings of a run that did not use them."""
+    unused = {key for switch, keys in _FEATURE_SETTINGS if switch in hyperparameters and not hyperparameters[switch] for key in keys}
+    return {k: v for k, v in hyperparameters.items() if k not in unused}
+
+
+def _base_model_name(base_model: str, is_hub_id: bool) -> str:
+    """A Hub id as it is; a local folder by its name (an absolute path names this machine only)."""
+    return base_model if is_hub_id else os.path.basename(os.path.normpath(base_model))
 
 
 def _fmt(x) -> str:
@@ -122,30 +187,38 @@ def write_model_card(
     tags: list[str] | None = None,
     repo_id: str | None = None,
     pipeline_tag: str | None = None,
+    baseline_metrics: dict | None = None,
+    eval_steps: tuple[int, int] | None = None,
 ) -> str:
     """Write ``export_dir/README.md`` and return its path.
 
     Args:
         export_dir: the export folder; a LoRA export is recognised by its
             ``pytorch_lora_weights.safetensors``.
-        base_model: the model fine-tuned (a Hub id goes into the card metadata; a local path
-            is only named in the text, since the Hub's ``base_model`` field must be an id).
+        base_model: the model fine-tuned (a Hub id goes into the card metadata; a local folder
+            is named by its folder name, since the Hub's ``base_model`` field must be an id).
         reward_spec: the ``--reward_fn`` string, e.g. ``"hpsv3:1.0,videoalign_ta:0.5"``.
-        hyperparameters: the training arguments, shown as a table.
+        hyperparameters: the training arguments, shown as a table (LoRA / EMA settings only
+            when ``use_lora`` / ``use_ema`` is on).
         eval_metrics: ``{reward: {"mean": m, "std": s}}`` (``EvalResult.metrics``), its
             ``log_dict()`` (``{"eval/<reward>_mean": m, ...}``) or ``{reward: value}``; ``None``
-            leaves the section out.
+            leaves the section out. With ``baseline_metrics`` (the same, before training) the
+            section shows both and the change.
         sample_images: image paths (relative to ``export_dir`` or absolute; outside ones are
             copied to ``export_dir/samples/``).
         launch_command: the command line that trained it.
         tags: extra Hub tags.
-        repo_id: the Hub repo, for the usage snippet (defaults to a placeholder).
+        repo_id: the Hub repo the card is pushed to; the usage snippet loads from it (else from
+            ``export_dir``, and a local base model from its path).
         pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``.
+        baseline_metrics: the evaluation before training, in any form ``eval_metrics`` takes.
+        eval_steps: the optimizer steps of the two evaluations, for the column titles.
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
     is_lora = os.path.isfile(os.path.join(export_dir, "pytorch_lora_weights.safetensors"))
     is_hub_id = bool(_HUB_ID.match(base_model)) and not os.path.exists(base_model)
+    base_name = _base_model_name(base_model, is_hub_id)
     card_tags = ["genrl", "grpo", "flow-grpo", "reinforcement-learning", "diffusers"]
     card_tags += ["lora"] if is_lora else []
     card_tags += list(tags or [])
@@ -159,16 +232,20 @@ def write_model_card(
         card_data,
         template_str=_TEMPLATE,
         title=f"{repo_id or os.path.basename(os.path.abspath(export_dir))}",
-        base_model=base_model,
-        base_model_link=f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id else f"`{base_model}`",
+        base_model_link=f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id else f"`{base_name}` (a local folder)",
+        # Pushed: the base's local path means nothing elsewhere, so the snippet says where it goes.
+        base_ref=base_model if is_hub_id else f"path/to/{base_name}" if repo_id else os.path.abspath(base_model),
+        weights_ref=repo_id or os.path.abspath(export_dir),
         reward_spec=reward_spec,
         is_lora=is_lora,
-        repo_hint=repo_id or "<this-repo-id>",
         eval_rows=_eval_rows(eval_metrics),
+        before_after_rows=_before_after_rows(baseline_metrics, eval_metrics),
+        before_label=f"before (step {eval_steps[0]})" if eval_steps else "before",
+        after_label=f"after (step {eval_steps[1]})" if eval_steps else "after",
         images=_card_images(export_dir, sample_images),
         launch_command=launch_command or "(not recorded)",
         # a "|" would end a markdown table cell
-        hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in hyperparameters.items()),
+        hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in _used_hyperparameters(hyperparameters).items()),
     )
     path = os.path.join(export_dir, "README.md")
     card.save(path)

@@ -20,6 +20,8 @@ import re
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from genrl.scores import drop_repeated_total
+
 _TRAIN_REWARD = re.compile(r"^reward/(?P<name>.+)_mean$")
 _EVAL_REWARD = re.compile(r"^eval/(?P<name>.+)_mean$")
 _KL_KEYS = ("train/approx_kl", "train/kl")
@@ -65,10 +67,25 @@ def _finish(ax, title: str, drawn: bool) -> None:
     ax.set_title(title)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    if drawn:
-        ax.legend(fontsize="small")
+    if drawn:  # below the axes: inside, it covers curves (the eval points sit at the top-left)
+        ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
     else:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes, color="gray")
+
+
+def reward_names(series: dict[str, list[tuple[int, float]]]) -> list[str]:
+    """The rewards to draw, sorted; "total" only when it is not the same curve as one reward
+    (with a single reward, the evaluation's total is that reward again)."""
+    names = sorted({m["name"] for k in series for m in [_TRAIN_REWARD.match(k) or _EVAL_REWARD.match(k)] if m})
+    if "reward/total_mean" in series:  # a reward of that name was trained on
+        return names
+    evals = {name: sorted(series[f"eval/{name}_mean"]) for name in names if f"eval/{name}_mean" in series}
+    kept = drop_repeated_total(evals, same=_same_curve)
+    return [name for name in names if name in kept or name not in evals]
+
+
+def _same_curve(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
+    return len(a) == len(b) and all(s == t and math.isclose(v, w) for (s, v), (t, w) in zip(a, b))
 
 
 def plot_training_curves(metrics_jsonl_path: str, out_png: str) -> str:
@@ -84,11 +101,20 @@ def plot_training_curves(metrics_jsonl_path: str, out_png: str) -> str:
         )
     series = read_metrics(metrics_jsonl_path)
 
-    fig = Figure(figsize=(15, 4.5), dpi=100)
+    fig = training_curves_figure(series)
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, format="png")
+    return out_png
+
+
+def training_curves_figure(series: dict[str, list[tuple[int, float]]]) -> Figure:
+    """The three panels of ``plot_training_curves`` from ``read_metrics``' series."""
+    # constrained layout makes room for the legends below the axes
+    fig = Figure(figsize=(15, 5.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
     ax_reward, ax_kl, ax_clip = fig.subplots(1, 3)
 
-    names = sorted({m["name"] for k in series for m in [_TRAIN_REWARD.match(k) or _EVAL_REWARD.match(k)] if m})
+    names = reward_names(series)
     colors = [f"C{i % 10}" for i in range(len(names))]
     for name, color in zip(names, colors):
         train, std, evals = series.get(f"reward/{name}_mean"), series.get(f"reward/{name}_std"), series.get(f"eval/{name}_mean")
@@ -106,8 +132,4 @@ def plot_training_curves(metrics_jsonl_path: str, out_png: str) -> str:
     _finish(ax_reward, "reward", bool(names))
     _plot_keys(ax_kl, series, _KL_KEYS, "KL")
     _plot_keys(ax_clip, series, _CLIP_KEYS, "clip fraction")
-
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
-    fig.savefig(out_png, format="png")
-    return out_png
+    return fig

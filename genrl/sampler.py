@@ -16,6 +16,15 @@ import torch
 from genrl.seeding import mix_seeds
 
 
+# What the trainer calls each size: errors name the flag to change, not this function's argument.
+FLAGS = {
+    "group_size": "--group_size",
+    "train_batch_size": "--rollout_batch_size",
+    "batches_per_epoch": "--rollout_batches_per_epoch",
+    "num_processes": "the number of processes (--num_processes)",
+}
+
+
 def check_batch_sizes(
     *,
     group_size: int,
@@ -27,10 +36,12 @@ def check_batch_sizes(
 ) -> None:
     """Refuse batch sizes under which prompt groups would be split or ranks would drift.
 
-    ``train_batch_size`` is the number of samples per rollout batch per process, so one
-    rank produces ``train_batch_size * batches_per_epoch`` samples per epoch. That count
-    must be a multiple of ``group_size`` (whole groups per rank) and, when given, of
-    ``train_micro_batch_size`` (whole micro batches in the PPO phase).
+    ``train_batch_size`` is the number of samples per rollout batch per process (the trainer's
+    ``--rollout_batch_size``), so one rank produces ``train_batch_size * batches_per_epoch``
+    samples per epoch. That count must be a multiple of ``group_size`` (whole groups per rank)
+    and, when given, of ``train_micro_batch_size`` (``--train_batch_size`` ×
+    ``--gradient_accumulation_steps``: whole optimizer steps in the update). Each error is one
+    sentence naming the trainer flag to change and a value that passes every check.
     """
     for name, value in (
         ("group_size", group_size),
@@ -39,33 +50,44 @@ def check_batch_sizes(
         ("batches_per_epoch", batches_per_epoch),
     ):
         if value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value}.")
+            raise ValueError(f"{FLAGS[name]} must be a positive integer, got {value}.")
     if group_size < 2:
         raise ValueError(
-            f"group_size must be at least 2 (GRPO compares samples of one prompt), got {group_size}."
+            f"--group_size must be at least 2 (GRPO compares the samples of one prompt), got {group_size}; 8 is the default."
         )
     if num_prompts is not None and num_prompts < 1:
         raise ValueError(f"The prompt set is empty (num_prompts={num_prompts}); give at least one prompt.")
+    if train_micro_batch_size is not None and train_micro_batch_size < 1:
+        raise ValueError(
+            f"--train_batch_size × --gradient_accumulation_steps must be a positive integer, got {train_micro_batch_size}."
+        )
 
     per_rank = train_batch_size * batches_per_epoch
+    rollout = f"--rollout_batch_size {train_batch_size} × --rollout_batches_per_epoch {batches_per_epoch} = {per_rank}"
     if per_rank % group_size:
-        step = group_size // math.gcd(group_size, batches_per_epoch)
-        suggestion = -(-train_batch_size // step) * step
+        suggestion = suggest_rollout_batch_size(group_size, train_batch_size, batches_per_epoch, train_micro_batch_size)
         raise ValueError(
-            f"train_batch_size * batches_per_epoch = {train_batch_size} * {batches_per_epoch} = {per_rank} "
-            f"samples per rank per epoch is not a multiple of group_size {group_size}, so a prompt group "
-            f"would straddle ranks; use e.g. train_batch_size {suggestion} (a multiple of {step})."
+            f"{rollout} samples per process per epoch is not a multiple of --group_size {group_size}, so a prompt's "
+            f"group would be split; use e.g. --rollout_batch_size {suggestion}."
         )
-    if train_micro_batch_size is not None:
-        if train_micro_batch_size < 1:
-            raise ValueError(f"train_micro_batch_size must be a positive integer, got {train_micro_batch_size}.")
-        if per_rank % train_micro_batch_size:
-            below = max(d for d in range(1, train_micro_batch_size) if per_rank % d == 0)
-            raise ValueError(
-                f"train_micro_batch_size {train_micro_batch_size} does not divide the {per_rank} samples per rank "
-                f"per epoch (train_batch_size {train_batch_size} * batches_per_epoch {batches_per_epoch}); "
-                f"use a divisor of {per_rank}, e.g. {below}."
-            )
+    if train_micro_batch_size is not None and per_rank % train_micro_batch_size:
+        below = max(d for d in range(1, train_micro_batch_size) if per_rank % d == 0)
+        raise ValueError(
+            f"--train_batch_size × --gradient_accumulation_steps = {train_micro_batch_size} does not divide the "
+            f"{rollout} samples per process per epoch; use e.g. --train_batch_size {below} --gradient_accumulation_steps 1."
+        )
+
+
+def suggest_rollout_batch_size(
+    group_size: int, rollout_batch_size: int, batches_per_epoch: int, micro_batch_size: int | None = None
+) -> int:
+    """The smallest rollout batch size >= ``rollout_batch_size`` whose epoch (× ``batches_per_epoch``)
+    holds whole groups and, when given, whole ``micro_batch_size`` micro batches."""
+    step = group_size // math.gcd(group_size, batches_per_epoch)
+    size = -(-rollout_batch_size // step) * step
+    while micro_batch_size and (size * batches_per_epoch) % micro_batch_size:
+        size += step  # ends by step * micro_batch_size at the latest
+    return size
 
 
 class PromptGroupSampler:

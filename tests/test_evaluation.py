@@ -13,7 +13,7 @@ import torch
 
 import eval_genrl
 import genrl.evaluation as evaluation
-from genrl.evaluation import batches_of_process, eval_batches, evaluate, save_image_grid
+from genrl.evaluation import batches_of_process, eval_batches, evaluate, save_image_grid, spread_indices
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
@@ -162,12 +162,29 @@ def test_noise_level_of_the_training_config_is_ignored(policy, reward_fn):
     assert torch.equal(a.samples, b.samples) and a.settings["noise_level"] == 0.0
 
 
-def test_keep_samples_keeps_the_first_in_prompt_order(policy, reward_fn):
+def test_keep_samples_are_spread_over_the_evaluated_prompts(policy, reward_fn):
+    """The logged grid covers the whole prompt set, not only its first kind (issue 14.8)."""
     everything = _evaluate(policy, reward_fn, max_batches=2)
-    some = _evaluate(policy, reward_fn, max_batches=2, keep_samples=3)
+    some = _evaluate(policy, reward_fn, max_batches=2, keep_samples=2)
     none = _evaluate(policy, reward_fn, max_batches=2, keep_samples=0)
-    assert torch.equal(some.samples, everything.samples[:3])
-    assert none.samples is None and none.metrics == everything.metrics
+    n = len(everything.per_prompt)
+    assert some.sample_indices == spread_indices(n, 2) == [0, n // 2]
+    assert torch.equal(some.samples, everything.samples[[0, n // 2]])
+    assert [r["index"] for r in some.sample_rows()] == [0, n // 2]
+    assert none.samples is None and none.metrics == everything.metrics and none.sample_rows() == []
+
+
+def test_the_default_runs_grid_shows_every_kind_of_toy_prompt():
+    """Count scenes and each of the four relations: before/after grids show what training changed."""
+    import train_genrl
+    from genrl.toy_scenes import parse_caption
+
+    run = train_genrl.DEFAULT_RUN
+    with open(run["eval_prompt_dataset"]) as f:
+        prompts = [line.strip() for line in f if line.strip()][: run["eval_batch_size"] * run["eval_max_batches"]]
+    shown = spread_indices(len(prompts), train_genrl.build_parser().get_default("eval_log_samples"))
+    kinds = lambda indices: {parse_caption(prompts[i]).relation for i in indices}  # noqa: E731
+    assert kinds(shown) == kinds(range(len(prompts))) and len(kinds(shown)) == 5
 
 
 def test_rewards_get_decoded_cpu_samples_and_metadata_in_prompt_order(policy):
@@ -335,3 +352,17 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
     assert (args.num_inference_steps, args.guidance_scale) == (3, 5.0)
     args = eval_genrl.parse_args(["--model", str(tmp_path / "base"), "--compare", str(export)])
     assert args.reward_fn == "jpeg_incompressibility", "a base model compared with an export is scored like the export"
+
+
+def test_sample_captions_stay_smaller_than_a_32px_sample(tmp_path):
+    """A trained sample's caption: no n/a, no total repeating the one reward, short sub-score names."""
+    from genrl.evaluation import compact_scores, score_caption
+
+    scores = {"total": 0.6667, "toy_geneval": 0.6667, "toy_geneval_strict": 0.0, "toy_geneval_color": 1.0,
+              "toy_geneval_shape": 1.0, "toy_geneval_count": None, "toy_geneval_position": 0.0}
+    compact = compact_scores(scores)
+    assert compact == {"toy_geneval": 0.6667, "strict": 0.0, "color": 1.0, "shape": 1.0, "position": 0.0}
+    caption = "a red triangle left of a yellow square\n" + score_caption(compact, sep=" ", between="=")
+    grid = cv2.imread(save_image_grid(np.zeros((4, 1, 32, 32, 3), np.uint8), str(tmp_path / "g.png"), captions=[caption] * 4))
+    cell, gap = 160, 2  # 32 px samples are enlarged to 160 so that the text is readable
+    assert grid.shape[0] - cell - 2 * gap <= cell // 2, "the caption band is taller than half the sample"

@@ -1,5 +1,6 @@
 """Hub push and model card, against a local fake Hub (tests/fake_hub_server.py): no network."""
 
+import json
 import os
 import socket
 import time
@@ -183,3 +184,38 @@ def test_model_card_reads_eval_metrics_in_log_dict_form(tmp_path):
     assert "| total | 0.5000 | 0.2500 |" in card.text
     assert "| toy_geneval | 0.1250 | 0.0000 |" in card.text
     assert "eval/" not in card.text
+
+
+def test_model_card_names_a_local_base_by_its_folder_and_loads_generically(tmp_path):
+    base = tmp_path / "some" / "where" / "toy-base"
+    base.mkdir(parents=True)
+    export = tmp_path / "export"
+    export.mkdir()
+    hyper = {"use_lora": False, "rank": 32, "lora_alpha": 64, "use_ema": True, "ema_decay": 0.9, "learning_rate": 1e-4}
+    local = ModelCard.load(write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters=hyper)).text
+    assert "`toy-base`" in local and f"`{base}`" not in local
+    assert "bfloat16)" not in local and 'pipe.to("cuda")' not in local and "<this-repo-id>" not in local
+    assert "torch.cuda.is_available()" in local and f'from_pretrained("{export}", subfolder="transformer"' in local
+    assert "| ema_decay |" in local and "| rank |" not in local and "| lora_alpha |" not in local
+
+    pushed = ModelCard.load(write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters=hyper,
+                                             repo_id="me/run")).text
+    assert str(tmp_path) not in pushed.split("## Training")[0]  # nothing above the launch command names this machine
+    assert 'from_pretrained("me/run", subfolder="transformer"' in pushed and '"path/to/toy-base"' in pushed
+
+
+def test_model_card_shows_the_score_before_and_after_training(tmp_path):
+    from genrl.model_card import first_and_last_eval
+
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "epoch": 0, "eval/toy_geneval_mean": 0.4, "eval/total_mean": 0.4},
+             {"step": 2, "epoch": 0, "reward/toy_geneval_mean": 0.3},
+             {"step": 20, "epoch": 9, "eval/toy_geneval_mean": 0.45, "eval/total_mean": 0.45},
+             {"step": 40, "epoch": 19, "eval/toy_geneval_mean": 0.5, "eval/total_mean": 0.5}]
+    metrics.write_text("".join(json.dumps(l) + "\n" for l in lines) + '{"step": 4')
+    evals = first_and_last_eval(str(metrics))
+    assert [step for step, _ in evals] == [0, 40]
+    card = ModelCard.load(write_model_card(str(tmp_path), base_model="a/b", reward_spec="toy_geneval", hyperparameters={},
+                                           eval_metrics=evals[-1][1], baseline_metrics=evals[0][1], eval_steps=(0, 40))).text
+    assert "| reward | before (step 0) | after (step 40) | change |" in card
+    assert "| toy_geneval | 0.4000 | 0.5000 | +0.1000 |" in card and "| total |" not in card

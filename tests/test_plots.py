@@ -4,7 +4,7 @@ import cv2
 import numpy as np
 import pytest
 
-from genrl.plots import plot_training_curves, read_metrics
+from genrl.plots import plot_training_curves, read_metrics, reward_names, training_curves_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -81,3 +81,32 @@ def test_reward_band_follows_the_logged_std(tmp_path):
         return int((np.abs(image.astype(int) - 255).sum(-1) > 20).sum())
 
     assert coloured_pixels(1.0) > coloured_pixels(1e-6) + 1000
+
+
+def _default_run_like_series() -> dict:
+    """One trained reward, its evaluation with a weight-0 breakdown and the total it repeats."""
+    series = {"reward/toy_geneval_mean": [(s, 0.3 + 0.01 * s) for s in range(0, 21, 2)],
+              "reward/toy_geneval_std": [(s, 0.1) for s in range(0, 21, 2)]}
+    for name, value in (("toy_geneval", 0.4), ("total", 0.4), ("toy_geneval_color", 0.8), ("toy_geneval_position", 0.1)):
+        series[f"eval/{name}_mean"] = [(0, value), (20, value + 0.1)]
+    return series
+
+
+def test_the_evaluation_total_is_not_drawn_twice():
+    series = _default_run_like_series()
+    assert reward_names(series) == ["toy_geneval", "toy_geneval_color", "toy_geneval_position"]
+    series["eval/total_mean"] = [(0, 0.9), (20, 1.0)]  # two weighted rewards: the total is news
+    assert "total" in reward_names(series)
+
+
+def test_legends_do_not_cover_the_curves():
+    fig = training_curves_figure(_default_run_like_series())
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        if legend is not None:
+            box, area = legend.get_window_extent(renderer), ax.get_window_extent(renderer)
+            assert box.y1 <= area.y0, f"the legend of {ax.get_title()!r} overlaps its axes"
+    labels = fig.axes[0].get_legend_handles_labels()[1]
+    assert "eval total" not in labels and "eval toy_geneval" in labels

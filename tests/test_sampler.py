@@ -93,12 +93,14 @@ def test_check_batch_sizes_accepts_good_sizes():
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        (dict(group_size=1), r"group_size must be at least 2.*got 1"),
-        (dict(train_batch_size=3), r"3 \* 2 = 6 samples per rank.*not a multiple of group_size 4.*train_batch_size 4"),
-        (dict(batches_per_epoch=3, train_batch_size=2), r"2 \* 3 = 6 samples.*group_size 4.*train_batch_size 4"),
+        (dict(group_size=1), r"--group_size must be at least 2.*got 1"),
+        (dict(train_batch_size=3), r"--rollout_batch_size 3 × --rollout_batches_per_epoch 2 = 6 samples per process.*"
+                                   r"not a multiple of --group_size 4.*use e\.g\. --rollout_batch_size 4\.$"),
+        (dict(batches_per_epoch=3, train_batch_size=2), r"2 × .* 3 = 6 samples.*--group_size 4.*--rollout_batch_size 4\.$"),
         (dict(num_prompts=0), r"prompt set is empty \(num_prompts=0\)"),
-        (dict(train_micro_batch_size=3), r"train_micro_batch_size 3 does not divide the 8 samples.*e\.g\. 2"),
-        (dict(num_processes=0), r"num_processes must be a positive integer, got 0"),
+        (dict(train_micro_batch_size=3), r"--train_batch_size × --gradient_accumulation_steps = 3 does not divide the .* 8 "
+                                         r"samples.*e\.g\. --train_batch_size 2 --gradient_accumulation_steps 1\.$"),
+        (dict(num_processes=0), r"number of processes \(--num_processes\) must be a positive integer, got 0"),
     ],
 )
 def test_check_batch_sizes_refuses_bad_sizes(kwargs, pattern):
@@ -109,7 +111,18 @@ def test_check_batch_sizes_refuses_bad_sizes(kwargs, pattern):
 
 
 def test_sampler_refuses_bad_sizes_and_rank():
-    with pytest.raises(ValueError, match="not a multiple of group_size 4"):
+    with pytest.raises(ValueError, match="not a multiple of --group_size 4"):
         PromptGroupSampler(10, 4, 3, 1, 2, 0, seed=0)
     with pytest.raises(ValueError, match=r"rank 2 is outside \[0, 2\)"):
         PromptGroupSampler(10, 4, 4, 1, 2, 2, seed=0)
+
+
+@pytest.mark.parametrize("group_size, rollout, batches, micro", [(3, 4, 2, 4), (3, 8, 1, 8), (5, 8, 2, 16), (6, 32, 4, 64)])
+def test_the_suggested_rollout_batch_size_passes_every_check(group_size, rollout, batches, micro):
+    """The value an error suggests must not fail again on the next check (issue 14.3)."""
+    with pytest.raises(ValueError, match="--rollout_batch_size") as error:
+        check_batch_sizes(group_size=group_size, train_batch_size=rollout, num_processes=1, batches_per_epoch=batches,
+                          train_micro_batch_size=micro)
+    suggested = int(str(error.value).rsplit("--rollout_batch_size ", 1)[1].rstrip("."))
+    check_batch_sizes(group_size=group_size, train_batch_size=suggested, num_processes=1, batches_per_epoch=batches,
+                      train_micro_batch_size=micro)

@@ -143,3 +143,84 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
         assert clips == ["00000.mp4", "00001.mp4"]
         frames, _ = read_video(os.path.join(out, "samples", "eval-000000", clips[0]))
         assert frames.shape[0] == 5
+
+
+def run_train(args: list[str], **env) -> "subprocess.CompletedProcess[bytes]":
+    """train_genrl.py as a user runs it (a subprocess); bytes, so that tqdm's carriage returns
+    are not counted as lines."""
+    import subprocess
+    import sys
+
+    from conftest import script_env
+
+    return subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *args], env={**script_env(), **env},
+                          capture_output=True, timeout=600)
+
+
+def error_lines(proc) -> list[str]:
+    """Lines of stderr as a terminal shows them (a progress bar's carriage returns stay on its line)."""
+    return proc.stderr.decode(errors="replace").strip().split("\n")
+
+
+@pytest.mark.parametrize("extra, flag", [
+    (["--group_size", "3"], "--rollout_batch_size 6"),  # a value that passes every check
+    (["--train_batch_size", "3"], "--train_batch_size 2"),
+    (["--group_size", "three"], "--group_size"),  # argparse's own errors are one line too
+])
+def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3, prompt_file, tmp_path, extra, flag):
+    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("train_genrl.py: error: ") and flag in lines[0] and "usage" not in lines[0]
+
+
+def test_a_hub_model_without_network_is_one_sentence_not_a_traceback(prompt_file, tmp_path):
+    proc = run_train(base_args("genrl-test/no-such-model", prompt_file, str(tmp_path / "out")),
+                     HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and len(lines) <= 3 and "Traceback" not in proc.stderr.decode(), lines
+    assert lines[-1].startswith("train_genrl.py: error: --pretrained_model_name_or_path")
+    assert "'genrl-test/no-such-model'" in lines[-1] and "local folder" in lines[-1] and "HF_HUB_OFFLINE" in lines[-1]
+
+
+def test_hpsv3_without_its_weights_names_the_repos_and_reward_options(tiny_sd3, prompt_file, tmp_path):
+    args = base_args(tiny_sd3, prompt_file, str(tmp_path / "out"))
+    args[args.index("--reward_fn") + 1] = "hpsv3"
+    proc = run_train(args, HF_HUB_OFFLINE="1", HF_HOME=str(tmp_path / "hf"))  # an empty Hub cache
+    lines = error_lines(proc)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr.decode(), lines[-20:]
+    assert len(lines) <= 3, lines  # the start-up log line and the sentence
+    last = lines[-1]
+    assert last.startswith("train_genrl.py: error: Reward 'hpsv3'")
+    assert "MizzenAI/HPSv3" in last and "Qwen/Qwen2-VL-7B-Instruct" in last and "--reward_options '{\"hpsv3\"" in last
+
+
+def test_every_flag_has_help_and_the_help_explains_the_default_run(capsys):
+    parser = train_genrl.build_parser()
+    missing = [a.dest for a in parser._actions if not (a.help or "").strip()]
+    assert not missing, f"flags without help: {missing}"
+    with pytest.raises(SystemExit):
+        train_genrl.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "DEFAULT_RUN" in text and "Passing --pretrained_model_name_or_path leaves all of them" in text
+    assert "(default: 8)" in text  # defaults are shown, and they are the plain ones, not DEFAULT_RUN's
+    for group in ("model:", "rewards:", "sampling:", "objective and GRPO:", "optimisation:", "LoRA:", "EMA:",
+                  "evaluation:", "checkpoints:", "Hub:", "output and logging:"):
+        assert f"\n{group}\n" in text, group
+    for key, value in train_genrl.DEFAULT_RUN.items():
+        assert f"--{key} " in text.split("DEFAULT_RUN", 1)[1], key
+
+
+def test_the_console_shows_one_bar_and_one_line_per_evaluation(tiny_sd3, prompt_file, tmp_path):
+    """About 20 lines for a run with 3 evaluations: no per-epoch bars, no known-noise warnings."""
+    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--eval_prompt_dataset", prompt_file,
+                               "--eval_steps", "2", "--eval_max_batches", "1", "--eval_batch_size", "4"))
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    output = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert output.count("\n") < 15, output
+    assert len([l for l in output.splitlines() if "eval at step" in l]) == 3  # before training, steps 2 and 4
+    final_bar = output.rsplit("\r", 1)[-1] if "\r" in output else output
+    assert "training: 100%" in output and "4/4" in output and "reward jpeg_compressibility" in output, final_bar
+    for noise in ("epoch 0 rollout", "epoch 0 update", "requires torchvision", "float32: []", "Setting accelerator to CPU",
+                  "Generating train split"):
+        assert noise not in output, noise

@@ -8,6 +8,7 @@ import os
 import diffusers
 import torch
 
+from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
@@ -41,9 +42,9 @@ def _read_json(path_or_id: str, filename: str, revision: str | None, required: b
             path = hf_hub_download(path_or_id, filename, revision=revision)
         except Exception as error:  # not found, offline, invalid id: all mean "cannot get it"
             if required:
-                raise ValueError(
-                    f"{path_or_id!r} is neither a local pipeline folder nor a Hub model id whose {filename}"
-                    f" could be fetched ({type(error).__name__})."
+                raise SetupError(
+                    f"{path_or_id!r} is neither a local pipeline folder nor a Hub model id whose {filename} could be "
+                    f"fetched ({hub_failure_reason(error)}); {hub_hint()}."
                 ) from error
             return None
     with open(path) as f:
@@ -82,13 +83,18 @@ def load_policy(
         for name, value in index.items()
         if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is None
     }
-    pipeline = getattr(diffusers, class_name).from_pretrained(
-        path,
-        revision=revision,
-        variant=variant,
-        dtype={"default": dtype, "transformer": torch.float32},
-        **absent,
-    )
+    try:
+        pipeline = getattr(diffusers, class_name).from_pretrained(
+            path,
+            revision=revision,
+            variant=variant,
+            dtype={"default": dtype, "transformer": torch.float32},
+            **absent,
+        )
+    except OSError as error:  # a Hub model whose weights could not be downloaded
+        if os.path.isdir(path):
+            raise
+        raise SetupError(f"The weights of Hub model {path!r} could not be fetched ({hub_failure_reason(error)}); {hub_hint()}.") from error
     pipeline.set_progress_bar_config(disable=True)
     sizes = _read_json(path, SAMPLING_DEFAULTS_FILE, revision, required=False) or {}
     unknown = set(sizes) - {"height", "width", "num_frames"}

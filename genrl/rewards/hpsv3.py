@@ -29,6 +29,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from genrl.errors import SetupError
 from genrl.rewards import lifecycle
 from genrl.rewards.layouts import prepare_images_tensor
 from genrl.rewards.qwen2vl_compat import (
@@ -36,6 +37,7 @@ from genrl.rewards.qwen2vl_compat import (
     alias_embed_tokens,
     build_qwen2vl_model,
     embedding_rows,
+    fetch_hub_file,
     load_base_parts,
     load_checkpoint_state_dict,
     load_state_dict_strict,
@@ -43,6 +45,7 @@ from genrl.rewards.qwen2vl_compat import (
     resolve_dtype,
     resolve_folder,
     reward_hidden_states,
+    reward_sources_error,
     set_vocab_size,
 )
 from genrl.rewards.qwen2vl_preprocess import (
@@ -182,9 +185,7 @@ def load_hpsv3_scorer(
     """
     base_folder = resolve_folder(base_model or DEFAULT_BASE_MODEL, BASE_FOLDER_PATTERNS)
     if checkpoint is None:
-        from huggingface_hub import hf_hub_download
-
-        checkpoint = hf_hub_download(DEFAULT_CHECKPOINT_REPO, DEFAULT_CHECKPOINT_FILE)
+        checkpoint = fetch_hub_file(DEFAULT_CHECKPOINT_REPO, DEFAULT_CHECKPOINT_FILE)
     elif not os.path.exists(checkpoint):
         checkpoint = resolve_folder(checkpoint)
     checkpoint_folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
@@ -222,7 +223,14 @@ def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "
     key = _cache_key(options, device)
 
     def build(dev: torch.device) -> HPSv3Scorer:
-        return load_hpsv3_scorer(device=dev, **options)
+        try:
+            return load_hpsv3_scorer(device=dev, **options)
+        except SetupError as error:  # a Hub download failed: say which sources and how to give local ones
+            sources = {
+                "checkpoint": options.get("checkpoint") or f"{DEFAULT_CHECKPOINT_REPO}/{DEFAULT_CHECKPOINT_FILE}",
+                "base_model": options.get("base_model") or DEFAULT_BASE_MODEL,
+            }
+            raise reward_sources_error(name, sources, error) from error
 
     get_scorer = lifecycle.reward_model_handle("hpsv3", key, device, build)
 

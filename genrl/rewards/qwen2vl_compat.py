@@ -29,6 +29,7 @@ from torch import nn
 
 # Reward models are frozen: they are built outside ZeRO-3's partitioning (see genrl.distributed).
 from genrl.distributed import zero_init_disabled as zero3_init_disabled
+from genrl.errors import SetupError, hub_failure_reason
 
 PEFT_PREFIX = "base_model.model."
 _TEXT_PARTS = ("embed_tokens", "layers", "norm")
@@ -478,14 +479,37 @@ BASE_FOLDER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "tokenizer*")
 
 def resolve_folder(path_or_repo: str, allow_patterns: Optional[Sequence[str]] = None) -> str:
     """A local folder as is, else a Hub repo id fetched with ``huggingface_hub.snapshot_download``
-    (from the local cache when offline)."""
+    (from the local cache when offline); a failed download is a ``SetupError`` naming the repo."""
     if os.path.isdir(path_or_repo):
         return path_or_repo
     if os.path.exists(path_or_repo) or path_or_repo.count("/") != 1:
         raise FileNotFoundError(f"{path_or_repo!r} is neither a folder nor a Hub repo id ('org/name').")
     from huggingface_hub import snapshot_download
 
-    return snapshot_download(path_or_repo, allow_patterns=list(allow_patterns) if allow_patterns else None)
+    try:
+        return snapshot_download(path_or_repo, allow_patterns=list(allow_patterns) if allow_patterns else None)
+    except Exception as error:
+        raise SetupError(f"Hub repo {path_or_repo!r} could not be fetched: {hub_failure_reason(error)}") from error
+
+
+def fetch_hub_file(repo: str, filename: str) -> str:
+    """``filename`` of Hub repo ``repo`` (from the local cache when offline); a failed download is
+    a ``SetupError`` naming the repo."""
+    from huggingface_hub import hf_hub_download
+
+    try:
+        return hf_hub_download(repo, filename)
+    except Exception as error:
+        raise SetupError(f"Hub repo {repo!r} ({filename}) could not be fetched: {hub_failure_reason(error)}") from error
+
+
+def reward_sources_error(name: str, sources: Mapping[str, str], error: SetupError) -> SetupError:
+    """One sentence for a reward model that could not be loaded from the Hub: the sources it
+    needs (``{option: repo or path}``), what failed, and the ``--reward_options`` that points
+    the reward ``name`` at local copies."""
+    needs = " and ".join(f"{option} {source!r}" for option, source in sources.items())
+    local = json.dumps({name: {option: f"/path/to/{os.path.basename(source.rstrip('/'))}" for option, source in sources.items()}})
+    return SetupError(f"Reward {name!r} needs {needs}; {error}; give local copies with --reward_options '{local}'.")
 
 
 def resolve_dtype(dtype, device: Union[str, torch.device]) -> torch.dtype:

@@ -53,6 +53,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from genrl.errors import SetupError
 from genrl.rewards import lifecycle
 from genrl.rewards.frame_selection import select_frame_indices
 from genrl.rewards.layouts import prepare_images_tensor
@@ -68,6 +69,7 @@ from genrl.rewards.qwen2vl_compat import (
     resolve_dtype,
     resolve_folder,
     reward_hidden_states,
+    reward_sources_error,
     set_vocab_size,
 )
 from genrl.rewards.qwen2vl_preprocess import (
@@ -348,7 +350,14 @@ def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str,
     key = _cache_key(options, device)
 
     def build(dev: torch.device) -> VideoAlignScorer:
-        return load_videoalign_scorer(device=dev, **options)
+        try:
+            return load_videoalign_scorer(device=dev, **options)
+        except SetupError as error:  # a Hub download failed: say which sources and how to give local ones
+            sources = {
+                "checkpoint": options.get("checkpoint") or DEFAULT_CHECKPOINT_REPO,
+                "base_model": options.get("base_model") or DEFAULT_BASE_MODEL,
+            }
+            raise reward_sources_error(name, sources, error) from error
 
     get_scorer = lifecycle.reward_model_handle("videoalign", key, device, build)
 

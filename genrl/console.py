@@ -1,0 +1,103 @@
+"""What the trainer prints: one progress bar over the run, one line per evaluation, and none of
+the start-up warnings a user cannot act on (nor the bars of loading components from disk).
+
+Only known noise is dropped, each by its logger and the text of its message, so that the
+same loggers' other warnings still show:
+
+- transformers, without torchvision: "`CLIPImageProcessor` requires torchvision (not
+  installed); falling back to ...Pil" (the image processors are never used for training);
+- diffusers: "There are modules in AutoencoderKL that should be kept in float32: []" (an
+  empty list: there is nothing to keep in float32; a non-empty list still shows);
+- DeepSpeed on a machine without GPU: "Setting accelerator to CPU" (the CPU run is meant).
+
+accelerate's "The following values were not passed to `accelerate launch`" comes from the
+launcher's process, before this script starts: ``--config_file accelerate_configs/single_gpu.yaml``
+(or ``accelerate config default`` once) avoids it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from typing import Mapping
+
+from genrl.scores import drop_repeated_total
+
+# logger name -> patterns of messages that are known noise (searched in the formatted message)
+KNOWN_NOISE: dict[str, tuple[str, ...]] = {
+    "transformers.utils.import_utils": (r"requires torchvision \(not installed\); falling back to",),
+    "diffusers.models.modeling_utils": (r"should be kept in float32: \[\]\.",),
+    "DeepSpeed": (r"^Setting accelerator to CPU\.",),
+}
+
+
+class DropMessages(logging.Filter):
+    """A logging filter that drops the records whose message matches one of ``patterns``."""
+
+    def __init__(self, patterns: tuple[str, ...]):
+        super().__init__()
+        self.patterns = [re.compile(p) for p in patterns]
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.search(message) for p in self.patterns)
+
+
+def silence_known_noise(noise: Mapping[str, tuple[str, ...]] = KNOWN_NOISE) -> None:
+    """Attach a ``DropMessages`` filter to each logger of ``noise`` (once per logger). Call it
+    before the libraries are imported: some warn at import time."""
+    for name, patterns in noise.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, DropMessages) for f in logger.filters):
+            logger.addFilter(DropMessages(patterns))
+
+
+def hide_loading_bars() -> None:
+    """No progress bars for loading a pipeline's components from disk: diffusers and
+    transformers draw one per component, nested (about ten console lines for a few seconds).
+    Downloads from the Hub keep their bars (huggingface_hub's own)."""
+    from diffusers.utils import logging as diffusers_logging
+    from transformers.utils import logging as transformers_logging
+
+    diffusers_logging.disable_progress_bar()
+    transformers_logging.disable_progress_bar()
+
+
+def planned_steps(
+    *,
+    num_epochs: int,
+    max_train_steps: int | None,
+    samples_per_epoch: int,
+    train_batch_size: int,
+    gradient_accumulation_steps: int,
+    num_inner_epochs: int,
+) -> int:
+    """Optimizer steps the run will take, for the progress bar: ``--max_train_steps`` or every
+    epoch's steps, whichever comes first (``--filter_zero_advantage`` may make it fewer)."""
+    per_epoch = max(1, num_inner_epochs * (samples_per_epoch // train_batch_size) // gradient_accumulation_steps)
+    total = num_epochs * per_epoch
+    return min(total, max_train_steps) if max_train_steps is not None else total
+
+
+def _reward_means(values: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """``{name: mean}`` of the ``<prefix>/<name>_mean`` keys, without "total" when it repeats the
+    one reward it sums (it then carries no news)."""
+    return drop_repeated_total(
+        {k[len(prefix) + 1 : -len("_mean")]: v for k, v in values.items() if k.startswith(prefix + "/") and k.endswith("_mean")}
+    )
+
+
+def eval_line(step: int, values: Mapping[str, float]) -> str:
+    """The one line printed per evaluation: ``eval at step 20: toy_geneval 0.4920, ...``."""
+    return f"eval at step {step}: " + ", ".join(f"{name} {v:.4f}" for name, v in _reward_means(values, "eval").items())
+
+
+def progress_postfix(epoch_logs: Mapping[str, float], last_eval: Mapping[str, float]) -> str:
+    """The progress bar's postfix: the latest epoch's mean training reward(s) and the first
+    reward of the latest evaluation."""
+    parts = [f"reward {name} {v:.4f}" for name, v in _reward_means(epoch_logs, "reward").items()]
+    evals = _reward_means(last_eval, "eval")
+    if evals:
+        name, value = next(iter(evals.items()))
+        parts.append(f"eval {name} {value:.4f}")
+    return ", ".join(parts)
