@@ -186,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Whose standard deviation normalises the advantages: the prompt group's, the epoch's, "
                             "or the largest group's.")
     group.add_argument("--beta", type=float, default=0.0, help="KL weight against the reference policy.")
+    group.add_argument("--kl_form", choices=["transition", "sde_variance"], default="transition",
+                       help="GRPO's KL: transition = KL of the two Gaussian steps, / 2 (std_t sqrt|dt|)^2 (Flow-GRPO's Wan "
+                            "script, Flash-GRPO); sde_variance = / 2 std_t^2 (Flow-GRPO's SD3 script), i.e. x |dt|.")
     group.add_argument("--filter_zero_advantage", action="store_true",
                        help="Drop zero-advantage samples (every rank keeps the same count).")
 
@@ -676,6 +679,7 @@ def main(args):
                         loss, stats = grpo_step_loss(
                             policy, model, rollout, idx, train_steps[start : start + micro, j], local_adv,
                             config=sampling, clip_range=args.clip_range, beta=args.beta, frozen_reference=ref_transformer,
+                            kl_form=args.kl_form,
                         )
                     else:
                         loss, stats = forward_step_loss(

@@ -19,7 +19,7 @@ from genrl.grpo import grpo_loss
 from genrl.nft import awm_loss, forward_noise, nft_loss, velocity_kl
 from genrl.policies.base import FlowPolicy, unwrap_module
 from genrl.rollout import Rollout, SamplingConfig, step_log_prob
-from genrl.sde import kl_between_means
+from genrl.sde import kl_between_means, kl_in_form
 from genrl.seeding import forward_generator
 
 
@@ -50,10 +50,12 @@ def grpo_step_loss(
     clip_range: float,
     beta: float = 0.0,
     frozen_reference: torch.nn.Module | None = None,
+    kl_form: str = "transition",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of samples ``idx`` ``(b,)`` at their recorded steps ``steps`` ``(b,)`` (column
     indices into the rollout's ``(B, S)`` records); ``advantages`` ``(B,)`` of the whole rollout.
-    With ``beta`` > 0 the KL to the reference policy's SDE mean is added."""
+    With ``beta`` > 0 the KL to the reference policy's SDE mean is added, in ``kl_form``
+    (``genrl.sde.kl_in_form``)."""
     embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
     transition = (
         rollout.latents[idx, steps], rollout.next_latents[idx, steps], rollout.timesteps[idx, steps],
@@ -64,7 +66,7 @@ def grpo_step_loss(
     if beta > 0:
         with torch.no_grad(), reference_model(model, frozen_reference) as ref:
             ref_out = step_log_prob(policy, ref, *transition, config=config, sigma_max=rollout.sigma_max)
-        kl = kl_between_means(out.mean, ref_out.mean, out.std)
+        kl = kl_in_form(kl_between_means(out.mean, ref_out.mean, out.std), transition[3], transition[4], kl_form)
     old = rollout.log_probs[idx, steps].to(out.log_prob.device)
     return grpo_loss(out.log_prob, old, advantages[idx].to(out.log_prob.device), clip_range, kl=kl, beta=beta)
 

@@ -17,6 +17,10 @@ from typing import Sequence, Union
 import torch
 
 SDE_TYPES = ("flow_sde", "flow_cps")
+# transition: the KL of the two Gaussian transitions, divided by 2 (std_t sqrt|dt|)^2 (Flow-GRPO's
+# Wan script, Flash-GRPO). sde_variance: divided by 2 std_t^2 (Flow-GRPO's SD3 script), i.e. the
+# transition KL times |dt|: 5-20x weaker at 10 steps for the same beta.
+KL_FORMS = ("transition", "sde_variance")
 
 # Smallest std that may reach a division: its square is still a normal float32.
 # (Clamping at `tiny` itself does not help: tiny**2 underflows to 0.)
@@ -158,3 +162,14 @@ def kl_between_means(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tens
     kl = ((mean.float() - ref_mean.float()) ** 2) / (2 * s**2)
     kl = kl.mean(dim=tuple(range(1, mean.ndim)))
     return torch.where(std > 0, kl, torch.zeros_like(kl))
+
+
+def kl_in_form(kl: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor, form: str) -> torch.Tensor:
+    """The per-sample transition KL ``(B,)`` (``kl_between_means``) in the convention ``form``:
+    ``transition`` leaves it, KL = mean((mean - ref_mean)^2) / (2 (std_t sqrt|dt|)^2);
+    ``sde_variance`` gives mean((mean - ref_mean)^2) / (2 std_t^2) = KL |dt|, dt = sigma' - sigma."""
+    if form not in KL_FORMS:
+        raise ValueError(f"Unknown KL form {form!r}; expected one of {KL_FORMS}.")
+    if form == "transition":
+        return kl
+    return kl * (sigma.float() - sigma_next.float()).abs().to(kl.device)

@@ -167,3 +167,20 @@ def test_kl_between_means_matches_float64_and_vanishes_without_noise():
     expected = ((mean.double() - ref_mean.double()) ** 2).flatten(1).mean(1)[:2] / (2 * std[:2].double() ** 2)
     torch.testing.assert_close(kl[:2].double(), expected, rtol=1e-5, atol=0)
     assert kl[2] == 0
+
+
+def test_kl_forms_divide_by_the_transition_or_the_sde_variance():
+    """transition: mean(dmu^2) / (2 (std_t sqrt|dt|)^2); sde_variance (Flow-GRPO's SD3 script):
+    mean(dmu^2) / (2 std_t^2), written out here from flow_sde_std."""
+    from genrl.sde import flow_sde_std, kl_between_means, kl_in_form
+
+    sigma, sigma_next = torch.tensor([0.9, 0.5]), torch.tensor([0.7, 0.45])
+    mean, ref = torch.zeros(2, 3), torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.1, 0.0]])
+    std_t = flow_sde_std(sigma, sigma_next, noise_level=0.7, sigma_max=0.95)
+    step_std = std_t * (sigma - sigma_next).sqrt()
+    d2 = ((mean - ref) ** 2).mean(dim=1)
+    kl = kl_between_means(mean, ref, step_std)
+    torch.testing.assert_close(kl_in_form(kl, sigma, sigma_next, "transition"), d2 / (2 * step_std**2))
+    torch.testing.assert_close(kl_in_form(kl, sigma, sigma_next, "sde_variance"), d2 / (2 * std_t**2))
+    with pytest.raises(ValueError, match="KL form"):
+        kl_in_form(kl, sigma, sigma_next, "nats")
