@@ -31,11 +31,11 @@ from genrl.evaluation import evaluate, save_comparison, save_eval_outputs
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
-from genrl.toy_scenes import prompt_splits
 
 logger = get_logger(__name__)
 
 DEFAULT_REWARD = "toy_geneval"  # the embedded default run's reward, for its default prompts
+DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "genrl", "assets", "prompts", "toy_test.txt")
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -51,14 +51,17 @@ def parse_args(input_args=None):
                         help="A second model, evaluated on the same prompts and seeds, shown side by side.")
     parser.add_argument("--use_ema", action="store_true", help="Evaluate the EMA weights of a genrl export/checkpoint.")
     parser.add_argument("--prompts", type=str, default=None,
-                        help="Prompt file (.txt one per line, .jsonl/.csv with a prompt column) or dataset; "
-                        "default: the toy test prompts of the embedded default run.")
+                        help="Prompt file (.txt one per line, .jsonl/.csv with a prompt column) or dataset; default: the "
+                        "export's own evaluation prompts, else the toy test prompts of the embedded default run.")
     parser.add_argument("--prompt_column", type=str, default="prompt")
     parser.add_argument("--reward_fn", type=str, default=None,
                         help=f"Reward spec 'name:weight,...'; default: the one the export was trained with, else {DEFAULT_REWARD!r}.")
-    parser.add_argument("--max_batches", type=int, default=8, help="Evaluate at most this many batches (0 = every prompt).")
-    parser.add_argument("--batch_size", type=int, default=4, help="Prompts per batch (per forward pass).")
-    parser.add_argument("--seed", type=int, default=0, help="Batch b starts from noise seeded with seed + b.")
+    parser.add_argument("--max_batches", type=int, default=None,
+                        help="Evaluate at most this many batches (0 = every prompt); default: the export's own, else 8.")
+    parser.add_argument("--batch_size", type=int, default=None,
+                        help="Prompts per batch (per forward pass); default: the export's own, else 4.")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="Batch b starts from noise seeded with seed + b; default: the export's own, else 0.")
     parser.add_argument("--num_inference_steps", type=int, default=None,
                         help="Default: what the export evaluated with during training, else 16.")
     parser.add_argument("--guidance_scale", type=float, default=None,
@@ -74,6 +77,14 @@ def parse_args(input_args=None):
     parser.add_argument("--fps", type=float, default=16.0, help="Frame rate of the written MP4s.")
     parser.add_argument("--output_dir", type=str, default="genrl-eval")
     args = parser.parse_args(input_args)
+    # Unset settings follow the export's own in-training evaluation (model A's, else B's), so a
+    # trained model is scored on the prompts, batches, noise and reward its training run used.
+    trained = trained_settings(args.model) or trained_settings(args.compare)
+    fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
+                "max_batches": 8, "batch_size": 4, "seed": 0}
+    for key, value in fallback.items():
+        if getattr(args, key) is None:
+            setattr(args, key, trained.get(key, value))
 
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
@@ -81,13 +92,6 @@ def parse_args(input_args=None):
         parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
     if args.save_samples < -1:
         parser.error(f"--save_samples must be >= 0, or -1 for all; got {args.save_samples}.")
-    # Unset settings follow the export's own in-training evaluation (model A's, else B's), so a
-    # trained model is scored the way its training run scored it.
-    trained = trained_settings(args.model) or trained_settings(args.compare)
-    fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5}
-    for key, value in fallback.items():
-        if getattr(args, key) is None:
-            setattr(args, key, trained.get(key, value))
     return args
 
 
@@ -118,8 +122,8 @@ def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch
 
 
 def trained_settings(path: str | None) -> dict:
-    """How a genrl export/checkpoint evaluated during training: reward spec, steps, guidance
-    (empty for anything else)."""
+    """How a genrl export/checkpoint evaluated during training: reward spec, steps, guidance,
+    prompts, batches and seed (empty for anything else)."""
     config = os.path.join(path, CONFIG_FILE) if path and os.path.isdir(path) else None
     if config is None or not os.path.isfile(config):
         return {}
@@ -131,6 +135,10 @@ def trained_settings(path: str | None) -> dict:
         "num_inference_steps": trained.get("eval_num_inference_steps") or trained.get("num_inference_steps"),
         "guidance_scale": trained.get("eval_guidance_scale") if trained.get("eval_guidance_scale") is not None
         else trained.get("guidance_scale"),
+        "prompts": trained.get("eval_prompt_dataset"),
+        "max_batches": trained.get("eval_max_batches"),
+        "batch_size": trained.get("eval_batch_size"),
+        "seed": trained.get("eval_seed"),
     }
     return {k: v for k, v in settings.items() if v is not None}
 
@@ -181,11 +189,8 @@ def main(args):
     accelerator = build_accelerator(output_dir=args.output_dir)
     torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation
 
-    if args.prompts is None:
-        prompts, metadata = prompt_splits()[1], None
-    else:
-        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
-        prompts, metadata = prompt_set.prompts, prompt_set.metadata
+    prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
+    prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn
     with zero_init_disabled():
         # NaN marks a score that does not apply to a sample (e.g. a position check on a counting

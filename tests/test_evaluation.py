@@ -352,6 +352,15 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
     assert (args.num_inference_steps, args.guidance_scale) == (3, 5.0)
     args = eval_genrl.parse_args(["--model", str(tmp_path / "base"), "--compare", str(export)])
     assert args.reward_fn == "jpeg_incompressibility", "a base model compared with an export is scored like the export"
+    # The prompts, batching and noise of the training run's evaluation, so the numbers match it.
+    assert (args.prompts, args.batch_size, args.max_batches, args.seed) == (eval_genrl.DEFAULT_PROMPTS, 4, 8, 0)
+    config = json.loads((export / "genrl_config.json").read_text())
+    config["args"].update(eval_prompt_dataset="held_out.txt", eval_batch_size=32, eval_max_batches=4, eval_seed=3)
+    (export / "genrl_config.json").write_text(json.dumps(config))
+    args = eval_genrl.parse_args(["--model", str(export)])
+    assert (args.prompts, args.batch_size, args.max_batches, args.seed) == ("held_out.txt", 32, 4, 3)
+    args = eval_genrl.parse_args(["--model", str(export), "--batch_size", "2", "--max_batches", "0"])
+    assert (args.batch_size, args.max_batches) == (2, 0)
 
 
 def test_sample_captions_stay_smaller_than_a_32px_sample(tmp_path):
