@@ -369,6 +369,7 @@ def main(args):
     from genrl.policies import load_policy
     from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
     from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
+    from genrl.safe_load import verify_checkpoint
     from genrl.sampler import PromptGroupSampler
     from genrl.seeding import mix_seeds
 
@@ -403,6 +404,15 @@ def main(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     device = accelerator.device
+
+    # A checkpoint that could run code, or that cannot be read, is refused before any model
+    # loads (load_checkpoint checks it again right before reading it).
+    try:
+        resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+        if resume_path is not None:
+            verify_checkpoint(resume_path, accelerator.process_index)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"train_genrl.py: error: {e}")
 
     sampler = PromptGroupSampler(
         num_prompts=len(train_set),
@@ -517,10 +527,12 @@ def main(args):
 
     # ---- Resume ---------------------------------------------------------------------------
     global_step, first_epoch = 0, 0
-    resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
-        global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema)
+        try:
+            global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema)
+        except ValueError as e:  # an unsafe or unreadable file, the wrong number of processes
+            raise SystemExit(f"train_genrl.py: error: {e}")
         first_epoch = last_epoch + 1
     elif args.resume_from_checkpoint:
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import shutil
@@ -31,12 +32,14 @@ import torch
 
 from genrl.ema import EMA
 from genrl.policies import FlowPolicy, load_policy
+from genrl.safe_load import load_weights_only, verify_checkpoint
 
 CONFIG_FILE = "genrl_config.json"
 STATE_FILE = "genrl_state.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+logger = logging.getLogger(__name__)
 
 
 def checkpoint_dirs(output_dir: str) -> list[str]:
@@ -228,22 +231,43 @@ def save_checkpoint(
     return final
 
 
+def read_state(path: str) -> dict:
+    """``genrl_state.json`` of checkpoint ``path``: integer ``global_step`` and ``epoch``
+    (and ``num_processes``), or one sentence saying what is wrong with it."""
+    state_path = os.path.join(path, STATE_FILE)
+    try:
+        with open(state_path) as f:
+            state = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"Cannot resume from {path}: {state_path} is not readable JSON ({err}).") from None
+    if not isinstance(state, dict) or not all(isinstance(state.get(k), int) for k in ("global_step", "epoch")):
+        raise ValueError(f"Cannot resume from {path}: {state_path} does not hold integer global_step and epoch.")
+    return state
+
+
 def load_checkpoint(accelerator, path: str, ema: EMA | None = None) -> tuple[int, int]:
     """Restore model, optimizer, scheduler, RNG and EMA from ``path``; returns
-    ``(global_step, epoch)`` of the checkpoint (training continues at ``epoch + 1``)."""
-    with open(os.path.join(path, STATE_FILE)) as f:
-        state = json.load(f)
+    ``(global_step, epoch)`` of the checkpoint (training continues at ``epoch + 1``).
+
+    Nothing in ``path`` runs code: every pickle file is checked weights-only against a short
+    allow-list first (:func:`genrl.safe_load.verify_checkpoint`), and a file that fails is
+    refused with :class:`~genrl.safe_load.UnsafeCheckpointError` before Accelerate or
+    DeepSpeed opens it. An unreadable RNG state is a logged warning.
+    """
+    state = read_state(path)
     if state.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise ValueError(
             f"Checkpoint {path!r} was written by {state['num_processes']} processes but this run has "
             f"{accelerator.num_processes}; resume with the same --num_processes."
         )
+    for warning in verify_checkpoint(path, accelerator.process_index):
+        logger.warning(warning)
     accelerator.load_state(path)
     if ema is not None:
         ema_path = os.path.join(path, "ema", f"rank{accelerator.process_index}.pt")
         if not os.path.exists(ema_path):
             raise FileNotFoundError(f"Checkpoint {path!r} has no EMA state ({ema_path}) but --use_ema is set.")
-        ema.load_state_dict(torch.load(ema_path, map_location="cpu", weights_only=True))
+        ema.load_state_dict(load_weights_only(ema_path))
     return state["global_step"], state["epoch"]
 
 

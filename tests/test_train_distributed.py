@@ -7,6 +7,7 @@ checkpoint and resumed with `latest` must end where an uninterrupted run ends.
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -114,6 +115,44 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
         resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero2"], folder)
         diff = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
         assert diff <= 1e-6, f"resumed run's {folder} differs from the uninterrupted one by {diff}"
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_real_checkpoints_pass_the_resume_check_and_each_poisoned_file_is_refused(runs, config, tmp_path):
+    """The allow-list admits every file DDP, ZeRO-2 and ZeRO-3 write, and nothing with a payload."""
+    from _poison import poison, ran
+    from genrl.safe_load import UnsafeCheckpointError, pickle_files, verify_checkpoint
+
+    checkpoint = os.path.join(runs[config], "checkpoint-1")
+    assert verify_checkpoint(checkpoint, 0) == verify_checkpoint(checkpoint, 1) == []
+    names = [os.path.relpath(p, checkpoint) for p in pickle_files(checkpoint)]
+    expected = {"multi_gpu": "optimizer.bin", "zero2": "pytorch_model/mp_rank_00_model_states.pt",
+                "zero3": "pytorch_model/zero_pp_rank_1_mp_rank_00_model_states.pt"}
+    assert expected[config] in names and "random_states_1.pkl" in names and "ema/rank1.pt" in names
+    for name in names:
+        copy, marker = str(tmp_path / name.replace("/", "_")), str(tmp_path / (name.replace("/", "_") + ".marker"))
+        shutil.copytree(checkpoint, copy)
+        poison(os.path.join(copy, name), marker)
+        with pytest.raises(UnsafeCheckpointError, match=f"^Refusing to resume from {copy}: {os.path.join(copy, name)} calls exec"):
+            verify_checkpoint(copy, 0)
+        assert not ran(marker)
+
+
+def test_resuming_a_poisoned_zero2_checkpoint_fails_before_loading_and_runs_nothing(runs, tiny_sd3, prompt_file, tmp_path):
+    """The probe of issue 9.2: DeepSpeed itself reads mp_rank_00_model_states.pt with weights_only=False."""
+    from _poison import poison, ran
+
+    output_dir, marker = str(tmp_path / "poisoned"), str(tmp_path / "marker")
+    shutil.copytree(runs["zero2"], output_dir)
+    poison(os.path.join(output_dir, "checkpoint-3", "pytorch_model", "mp_rank_00_model_states.pt"), marker)
+    args = train_args(tiny_sd3, prompt_file, output_dir, "--resume_from_checkpoint", "latest", "--num_epochs", "4")
+    proc = subprocess.run(launch_command("train_genrl.py", args, config="zero2", num_processes=2), env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert not ran(marker), "the poisoned checkpoint ran its payload"
+    assert proc.returncode != 0
+    refusals = [l for l in proc.stderr.splitlines() if l.startswith("train_genrl.py: error: Refusing to resume")]
+    assert refusals and "mp_rank_00_model_states.pt calls exec when unpickled" in refusals[0], proc.stderr[-3000:]
+    assert "Loading pipeline components" not in proc.stderr and not os.path.isdir(os.path.join(output_dir, "checkpoint-4"))
 
 
 def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
