@@ -365,6 +365,7 @@ def main(args):
     from genrl.ema import EMA
     from genrl.errors import SetupError
     from genrl.grpo import select_train_timesteps
+    from genrl.nan_guard import NonFiniteError, NonFiniteGuard, is_finite
     from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
     from genrl.policies import load_policy
     from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
@@ -599,6 +600,7 @@ def main(args):
         initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
     last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
     # ---- Training ----------------------------------------------------------------------------
@@ -622,6 +624,7 @@ def main(args):
             rollout = sample_rollout(
                 policy, model, prompts, [k for _, k in batch], seed=args.seed, epoch=epoch, config=sampling, device=device
             )
+            guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
             scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
             rollouts.append(rollout)
         timings["time/decode_s"] = sum(r.decode_seconds for r in rollouts)
@@ -677,6 +680,8 @@ def main(args):
                 fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
                 model.train()
         step_stats, grad_norms = [], []
+        window_stats, losses_finite = [], True  # of the optimizer step being accumulated
+        skipped_before = guard.skipped
         reached_max_steps = False
         for _ in range(args.num_inner_epochs):
             order = kept[torch.randperm(len(kept), generator=generator)]
@@ -699,16 +704,25 @@ def main(args):
                             guidance_scale=args.guidance_scale, adv_clip_max=args.adv_clip_max, nft_beta=args.nft_beta,
                             beta=args.beta, frozen_reference=ref_transformer,
                         )
+                    losses_finite = losses_finite and is_finite(loss)
                     accelerator.backward(loss)
+                    apply_step = True
                     if accelerator.sync_gradients:
                         norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        if norm is not None:
+                        # Every rank agrees; a skipped step leaves the weights of the last finite one
+                        # (DeepSpeed has already skipped its own step on a non-finite norm).
+                        apply_step = guard.check_step(accelerator, global_step + 1, losses_finite, norm)
+                        if apply_step and norm is not None:
                             grad_norms.append(float(norm))
-                    optimizer.step()
-                    lr_scheduler.step()
+                    if apply_step:
+                        optimizer.step()
+                        lr_scheduler.step()
                     optimizer.zero_grad()
-                step_stats.append({k: float(v) for k, v in stats.items()})
+                window_stats.append({k: float(v) for k, v in stats.items()})
                 if accelerator.sync_gradients:
+                    if apply_step:  # a skipped step's NaN statistics stay out of the logs
+                        step_stats += window_stats
+                    window_stats, losses_finite = [], True
                     global_step += 1
                     progress.update(1)
                     if ema is not None:
@@ -727,6 +741,7 @@ def main(args):
                 epoch_logs[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
         if grad_norms:
             epoch_logs["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
+        epoch_logs["train/skipped_steps"] = guard.skipped - skipped_before
         epoch_logs["train/lr"] = lr_scheduler.get_last_lr()[0]
         epoch_logs["memory/peak_gb"] = peak_memory_gb(device)
         epoch_logs.update(timings)
@@ -736,7 +751,9 @@ def main(args):
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
         progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
-        if crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
+        if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
+            logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
+        elif crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
             for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
                 push.exception()
             path = save_checkpoint(
@@ -756,6 +773,8 @@ def main(args):
     progress.close()
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
+    if guard.consecutive:  # weights that just gave a non-finite loss are not exported
+        raise NonFiniteError(guard.stop_message(global_step))
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
     push_failed = False
     if accelerator.is_main_process:
