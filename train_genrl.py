@@ -16,9 +16,11 @@ import copy
 import glob
 import json
 import logging
+import math
 import os
 import shlex
 import sys
+import tempfile
 import time
 from contextlib import nullcontext
 
@@ -285,7 +287,7 @@ def parse_args(argv=None):
 
 def validate_args(args) -> None:
     """Every check that needs no model, so bad input fails in a second with one sentence."""
-    from genrl.rewards import parse_reward_spec
+    from genrl.rewards import check_reward_options, parse_reward_spec
     from genrl.sampler import check_batch_sizes
 
     model = args.pretrained_model_name_or_path
@@ -299,8 +301,7 @@ def validate_args(args) -> None:
     parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
     args.eval_reward_fn = args.eval_reward_fn or args.reward_fn
     parse_reward_spec(args.eval_reward_fn)
-    if args.reward_options and not args.reward_options.lstrip().startswith("{") and not os.path.isfile(args.reward_options):
-        raise FileNotFoundError(f"--reward_options {args.reward_options!r} is neither JSON nor a file.")
+    check_reward_options(load_reward_options(args.reward_options), [args.reward_fn, args.eval_reward_fn])
     if args.resolution is not None:
         args.height = args.height or args.resolution
         args.width = args.width or args.resolution
@@ -314,6 +315,15 @@ def validate_args(args) -> None:
     )
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")
+    if not math.isfinite(args.noise_level) or args.noise_level < 0:
+        raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {args.noise_level}.")
+    if args.num_inference_steps < 1:
+        raise ValueError(f"--num_inference_steps must be at least 1, got {args.num_inference_steps}.")
+    if args.objective == "grpo" and args.num_inference_steps < 2:
+        raise ValueError(
+            "--objective grpo trains on stochastic steps and the last sampling step is always deterministic, "
+            f"so it needs --num_inference_steps >= 2 (got {args.num_inference_steps})."
+        )
     if args.objective == "grpo" and not args.noise_level > 0:
         raise ValueError(
             f"--objective grpo trains on stochastic steps and needs --noise_level > 0 (got {args.noise_level}); "
@@ -326,6 +336,12 @@ def validate_args(args) -> None:
             f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
             f"({args.num_inference_steps - 1}): the last step is always deterministic."
         )
+    if args.sde_window_size and args.sde_window_range:  # the window must fit its range (the rollout's own check)
+        from genrl.rollout import SamplingConfig, sde_window_start
+
+        window = SamplingConfig(num_inference_steps=args.num_inference_steps, sde_window_size=args.sde_window_size,
+                                sde_window_range=tuple(args.sde_window_range))
+        sde_window_start("", args.seed, 0, args.num_inference_steps, window)
     # accelerate launch exports the config's ZeRO stage, so this is known before any model loads.
     if args.beta > 0 and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
         raise ValueError(
@@ -335,17 +351,36 @@ def validate_args(args) -> None:
     # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
     # a relative one would be resolved against it a second time (genrl-output/genrl-output/...).
     args.output_dir = os.path.abspath(args.output_dir)
+    check_writable(args.output_dir)
     if args.push_to_hub and not args.hub_model_id:
         args.hub_model_id = os.path.basename(args.output_dir)
 
 
-def load_reward_options(value: str | None) -> dict:
+def check_writable(folder: str) -> None:
+    """``folder`` exists (it is created) and a file can be written in it, or one sentence
+    saying why not: found now rather than at the first checkpoint, after the models loaded."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
+
+
+def load_reward_options(value: str | None):
+    """``--reward_options``: JSON text, or a ``.json`` file holding it; parsed, not yet checked.
+    Invalid JSON is a ValueError of one sentence saying where."""
     if not value:
         return {}
+    source = f"--reward_options file {value!r}" if os.path.isfile(value) else "--reward_options"
     if os.path.isfile(value):
         with open(value) as f:
-            return json.load(f)
-    return json.loads(value)
+            value = f.read()
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        hint = "" if value.lstrip()[:1] in "{[" else " (nor a file that exists)"
+        raise ValueError(f"{source} is not valid JSON{hint}: {e.msg} at line {e.lineno} column {e.colno}.") from None
 
 
 def num_trained_timesteps(args) -> int:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import datasets
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -34,14 +38,38 @@ def _without_progress_bars(load):
             datasets.enable_progress_bars()
 
 
+def _check_file(source: str, ext: str) -> None:
+    """An empty file, or a JSON-lines line that is not a JSON object, is one sentence naming
+    the file and the line (``datasets`` would name neither)."""
+    if os.path.getsize(source) == 0:
+        raise ValueError(f"Prompt file {source!r} is empty.")
+    if ext != ".jsonl":
+        return
+    with open(source, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.strip())
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Prompt file {source!r} line {number} is not valid JSON ({e.msg} at column {e.colno}).") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"Prompt file {source!r} line {number} is not a JSON object (one record per line).")
+
+
 def _load_split(source: str, split: str) -> datasets.Dataset:
     ext = os.path.splitext(source)[1].lower()
     if os.path.isfile(source):
         if ext not in _FILE_BUILDERS:
             raise ValueError(f"Prompt file {source!r} has extension {ext!r}; expected one of {sorted(_FILE_BUILDERS)}.")
-        return _without_progress_bars(
-            lambda: datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split="train")
-        )
+        _check_file(source, ext)
+        try:
+            return _without_progress_bars(
+                lambda: datasets.load_dataset(_FILE_BUILDERS[ext], data_files={"train": source}, split="train")
+            )
+        except Exception as e:  # datasets names neither the file nor what is wrong with it
+            cause = e.__cause__ or e
+            raise ValueError(f"Could not read prompt file {source!r}: {type(cause).__name__}: {str(cause).splitlines()[0]}.") from e
     if os.path.isdir(source):
         if os.path.exists(os.path.join(source, "dataset_dict.json")):
             return datasets.load_from_disk(source)[split]
@@ -68,13 +96,16 @@ def load_prompts(source: str, *, split: str = "train", prompt_column: str = "pro
             f"Prompt dataset {source!r} has no column {prompt_column!r}; its columns are {ds.column_names} "
             f"(choose one with --prompt_column)."
         )
-    prompts, metadata = [], []
+    prompts, metadata, dropped = [], [], 0
     for record in ds:
         prompt = record[column]
         if prompt is None or not str(prompt).strip():
+            dropped += 1
             continue
         prompts.append(str(prompt).strip())
         metadata.append({k: v for k, v in record.items() if k != column})
     if not prompts:
         raise ValueError(f"The prompt set {source!r} (split {split!r}) is empty.")
+    if dropped and column != "text":  # blank lines of a text file are not records
+        logger.warning(f"{dropped} of {len(ds)} records of {source!r} have no {column!r} (missing or empty) and were skipped.")
     return PromptSet(prompts, metadata)

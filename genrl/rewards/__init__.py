@@ -14,13 +14,21 @@ from genrl.rewards.lifecycle import (
     move,
     on_device,
 )
-from genrl.rewards.registry import RewardFn, build_reward_fn, known_rewards, parse_reward_spec, register_reward
+from genrl.rewards.registry import (
+    RewardFn,
+    build_reward_fn,
+    check_reward_options,
+    known_rewards,
+    parse_reward_spec,
+    register_reward,
+)
 from genrl.rewards.scoring import RewardScorer
 
 __all__ = [
     "RewardFn",
     "RewardScorer",
     "build_reward_fn",
+    "check_reward_options",
     "cached_reward_models",
     "clear_reward_models",
     "get_reward_model",

@@ -35,6 +35,7 @@ on the CPU) or in any layout `genrl.rewards.layouts.prepare_images` accepts; rew
 from __future__ import annotations
 
 import importlib
+import inspect
 import re
 import threading
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -157,11 +158,19 @@ def _as_scores(value: Any, name: str, n: int, allow_nan: bool) -> torch.Tensor:
         scores = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value)
     except Exception as e:
         raise TypeError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
-    scores = scores.detach().to("cpu", torch.float32)
     if tuple(scores.shape) != (n,):
         raise ValueError(
             f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample."
         )
+    if scores.is_floating_point() and scores.dtype != torch.float32:  # float64 values beyond float32's range
+        wide = scores.detach().to("cpu", torch.float64)
+        overflow = wide.isfinite() & (wide.abs() > torch.finfo(torch.float32).max)
+        if overflow.any():
+            raise ValueError(
+                f"Reward {name!r} returned {wide[overflow][0].item():g}, which overflows float32 (largest "
+                f"{torch.finfo(torch.float32).max:.3g}); scale the reward down."
+            )
+    scores = scores.detach().to("cpu", torch.float32)
     bad = scores.isinf() | (scores.isnan() & (not allow_nan))
     if bad.any():
         raise ValueError(
@@ -224,6 +233,37 @@ class RewardFn:
                 total += weight * out[name]
         out[_TOTAL] = total
         return out
+
+
+def check_reward_options(options: Any, specs: Sequence[str]) -> None:
+    """Check ``--reward_options`` before any model loads: a mapping from reward names (each
+    in one of ``specs``) to a mapping of options, and, for a registered factory that lists
+    its parameters, only options it takes. Raises ValueError with one sentence."""
+    if not isinstance(options, Mapping):
+        raise ValueError(
+            f"--reward_options must be a JSON object mapping reward names to their options, got a {_json_type(options)}."
+        )
+    names = {name for spec in specs for name, _ in parse_reward_spec(spec)}
+    for name, opts in options.items():
+        if name not in names:
+            raise ValueError(f"--reward_options names {name!r}, which is not in --reward_fn or --eval_reward_fn {sorted(names)}.")
+        if not isinstance(opts, Mapping):
+            raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {_json_type(opts)}.")
+        if ":" in name:
+            continue  # a user function's options are its keyword arguments, checked when it is called
+        params = inspect.signature(_factory(name)).parameters
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+            continue  # the factory checks its own options (without loading a model)
+        unknown = sorted(set(opts) - set(params) | set(opts) & {"name", "device"})
+        if unknown:
+            takes = sorted(set(params) - {"name", "device"}) or "none"
+            raise ValueError(f"Reward {name!r} takes no option {unknown[0]!r} (its options: {takes}).")
+
+
+def _json_type(value: Any) -> str:
+    """How JSON calls the type of a parsed value (for messages)."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def build_reward_fn(

@@ -1,0 +1,140 @@
+"""Bad values end with one sentence naming them, before any model loads where the input allows
+(issue 9.7): reward options, sampling without a stochastic step, an unwritable output folder,
+malformed prompt files, records without a prompt, reward values beyond float32."""
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, script_env
+
+import train_genrl
+from genrl.data import load_prompts
+
+
+def args_with(model, prompts, output_dir, *extra):
+    return ["--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", "jpeg_compressibility",
+            "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4", "--train_batch_size", "4",
+            "--num_inference_steps", "4", *extra]
+
+
+def parse_error(capsys, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.parse_args(argv)
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("train_genrl.py: error: ") or ": error: " in error
+    message = error.split("error: ", 1)[1]
+    assert message.endswith(".") and message.count(". ") == 0, message
+    return message
+
+
+@pytest.mark.parametrize("options, expected", [
+    ('{"jpeg_compressibility": {"quality": 50}', "--reward_options is not valid JSON: Expecting ',' delimiter at line 1 column 41."),
+    ("[1, 2]", "--reward_options must be a JSON object mapping reward names to their options, got a list."),
+    ('{"jpeg_compressibility": 5}', "--reward_options for 'jpeg_compressibility' must be a JSON object of options, got a number."),
+    ('{"jpeg_compressibility": {"qualty": 50}}', "Reward 'jpeg_compressibility' takes no option 'qualty' (its options: ['quality'])."),
+    ('{"hpsv3": {}}', "--reward_options names 'hpsv3', which is not in --reward_fn or --eval_reward_fn ['jpeg_compressibility']."),
+    ("no_such_options.json", "--reward_options is not valid JSON (nor a file that exists): Expecting value at line 1 column 1."),
+])
+def test_reward_options_are_checked_when_parsed(tiny_sd3, prompt_file, tmp_path, capsys, options, expected):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", options)
+    assert parse_error(capsys, argv) == expected
+
+
+def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_path, capsys):
+    path = tmp_path / "options.json"
+    path.write_text('{"jpeg_compressibility": {"quality": }}')
+    message = parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", str(path)))
+    assert message == f"--reward_options file {str(path)!r} is not valid JSON: Expecting value at line 1 column 38."
+    path.write_text('{"jpeg_compressibility": {"quality": 50}}')
+    train_genrl.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", str(path)))
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--noise_level", "nan"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
+    (["--noise_level", "nan", "--objective", "nft"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
+    (["--noise_level", "-0.5", "--objective", "awm"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got -0.5."),
+    (["--num_inference_steps", "1", "--sde_window_size", "1"],
+     "--objective grpo trains on stochastic steps and the last sampling step is always deterministic, "
+     "so it needs --num_inference_steps >= 2 (got 1)."),
+    (["--sde_window_size", "2", "--sde_window_range", "2", "3"],
+     "sde_window_range=(2, 3) cannot hold a window of 2 steps among the 3 stochastic-capable steps of 4; "
+     "need 0 <= lo and hi - lo >= window size."),
+])
+def test_sampling_without_a_usable_stochastic_step_is_refused(tiny_sd3, prompt_file, tmp_path, capsys, extra, expected):
+    assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == expected
+
+
+def test_an_output_dir_that_cannot_be_written_is_refused(tiny_sd3, prompt_file, tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    out = str(blocker / "out")
+    message = parse_error(capsys, args_with(tiny_sd3, prompt_file, out))
+    assert message == f"--output_dir {out!r} cannot be written to (Not a directory); choose another folder."
+    if os.geteuid() != 0:  # root writes anywhere
+        locked = tmp_path / "locked"
+        locked.mkdir(mode=0o500)
+        assert "cannot be written to (Permission denied)" in parse_error(capsys, args_with(tiny_sd3, prompt_file, str(locked)))
+
+
+@pytest.mark.parametrize("name, content, expected", [
+    ("bad.jsonl", '{"prompt": "a red circle"}\n\n{"prompt": "a blue square"\n',
+     "line 3 is not valid JSON (Expecting ',' delimiter at column 27)."),
+    ("list.jsonl", '{"prompt": "a red circle"}\n["a blue square"]\n', "line 2 is not a JSON object (one record per line)."),
+    ("empty.jsonl", "", "is empty."),
+    ("empty.csv", "", "is empty."),
+    ("bad.csv", 'prompt,x\n"a red circle,1\n', ": ParserError: Error tokenizing data."),
+])
+def test_a_malformed_prompt_file_names_the_file_and_line(tmp_path, name, content, expected):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(ValueError) as failure:
+        load_prompts(str(path))
+    assert repr(str(path)) in str(failure.value) and expected in str(failure.value)
+
+
+def test_records_without_a_prompt_are_counted_in_a_warning(tmp_path, caplog):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a red circle", "tag": 1}\n{"caption": "x"}\n{"prompt": "  "}\n{"prompt": "a blue square"}\n')
+    with caplog.at_level(logging.WARNING, logger="genrl.data"):
+        assert load_prompts(str(path)).prompts == ["a red circle", "a blue square"]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"2 of 4 records of {str(path)!r} have no 'prompt' (missing or empty) and were skipped."
+    ]
+    caplog.clear()
+    text = tmp_path / "prompts.txt"
+    text.write_text("a red circle\n\n\na blue square\n")
+    with caplog.at_level(logging.WARNING, logger="genrl.data"):
+        load_prompts(str(text))
+    assert not caplog.records, "blank lines of a text file are not records"
+
+
+def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a red circle"}\n{"prompt": \n')
+    argv = args_with(tiny_sd3, str(path), str(tmp_path / "out"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *argv], env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"train_genrl.py: error: Prompt file {str(path)!r} line 2 is not valid JSON (Expecting value at column 11)."
+    )
+    assert "Loading pipeline components" not in proc.stderr
+
+
+@pytest.mark.usefixtures("isolated_rewards")
+def test_a_float64_reward_beyond_float32_is_named_as_an_overflow(tmp_path, monkeypatch):
+    from genrl.rewards import build_reward_fn
+
+    (tmp_path / "huge_reward.py").write_text("def huge(samples, prompts, metadata):\n    return [1.0, 1e39]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = build_reward_fn("huge_reward:huge")
+    with pytest.raises(ValueError) as failure:
+        reward(torch.rand(2, 3, 1, 8, 8), ["a", "b"], [{}, {}])
+    assert "Reward 'huge_reward:huge' returned 1e+39, which overflows float32 (largest 3.4e+38)" in str(failure.value)
+    assert "inf" not in str(failure.value)
