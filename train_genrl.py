@@ -252,6 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--checkpoints_total_limit", type=int, default=None,
                        help="Keep at most this many checkpoints (the oldest is removed after a new one is complete).")
     group.add_argument("--resume_from_checkpoint", type=str, default=None, help='"latest" or a checkpoint folder.')
+    group.add_argument("--overwrite_output_dir", action="store_true", help="Start afresh: remove the checkpoints and metrics already in --output_dir.")
 
     group = parser.add_argument_group("Hub")
     group.add_argument("--push_to_hub", action="store_true", help="Upload the export and its model card at the end.")
@@ -348,6 +349,8 @@ def validate_args(args) -> None:
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
+    if args.overwrite_output_dir and args.resume_from_checkpoint:
+        raise ValueError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them.")
     # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
     # a relative one would be resolved against it a second time (genrl-output/genrl-output/...).
     args.output_dir = os.path.abspath(args.output_dir)
@@ -393,7 +396,10 @@ def num_trained_timesteps(args) -> int:
 def main(args):
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
     from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
-    from genrl.checkpointing import export_model, load_checkpoint, resolve_resume_path, save_checkpoint
+    from genrl.checkpointing import (
+        check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
+        run_identity, save_checkpoint, trim_metrics,
+    )
     from genrl.console import eval_line, planned_steps, progress_postfix
     from genrl.data import load_prompts
     from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
@@ -441,11 +447,18 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     device = accelerator.device
 
-    # A checkpoint that could run code, or that cannot be read, is refused before any model
-    # loads (load_checkpoint checks it again right before reading it).
+    # A checkpoint that could run code, cannot be read or belongs to another run is refused
+    # before any model loads (load_checkpoint checks it again right before reading it); so is
+    # an --output_dir holding another run's checkpoints.
+    identity = run_identity(args)
+    if args.overwrite_output_dir and accelerator.is_main_process:
+        clear_output_dir(args.output_dir)
+    accelerator.wait_for_everyone()
     try:
         resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
+        check_output_dir(args.output_dir, identity, resuming=resume_path is not None)
         if resume_path is not None:
+            check_resumable(resume_path, identity)
             verify_checkpoint(resume_path, accelerator.process_index)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"train_genrl.py: error: {e}")
@@ -566,7 +579,7 @@ def main(args):
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
         try:
-            global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema)
+            global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema, run=identity)
         except ValueError as e:  # an unsafe or unreadable file, the wrong number of processes
             raise SystemExit(f"train_genrl.py: error: {e}")
         first_epoch = last_epoch + 1
@@ -577,6 +590,8 @@ def main(args):
         tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in run_config["args"].items()}
         accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
     metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
+    if accelerator.is_main_process:  # a resumed run redoes the epochs after its checkpoint; a new run starts the file
+        trim_metrics(metrics_path, first_epoch - 1)
 
     def log(values: dict, step: int, epoch: int) -> None:
         accelerator.log(values, step=step)
@@ -794,6 +809,7 @@ def main(args):
             path = save_checkpoint(
                 accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch,
                 config=run_config, use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit,
+                run=identity,
             )
             logger.info(f"Saved {path}")
             if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:

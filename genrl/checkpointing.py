@@ -66,6 +66,102 @@ def resolve_resume_path(output_dir: str, resume_from_checkpoint: str | None) -> 
     return resume_from_checkpoint
 
 
+# The arguments that decide a run's trajectory (model, data, seed, group and batch layout,
+# rewards, sampling, objective): a checkpoint records them, and only a run that sets them
+# alike may resume it or write next to it. Learning rate and the like may change on resume.
+RUN_IDENTITY_ARGS = (
+    "pretrained_model_name_or_path", "revision", "variant", "prompt_dataset", "prompt_column", "seed",
+    "group_size", "rollout_batch_size", "rollout_batches_per_epoch", "train_batch_size", "gradient_accumulation_steps",
+    "reward_fn", "reward_options", "reward_combine", "num_inference_steps", "guidance_scale", "negative_prompt",
+    "noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "height", "width", "num_frames",
+    "objective", "use_lora", "rank",
+)
+
+
+def run_identity(args) -> dict[str, Any]:
+    """The :data:`RUN_IDENTITY_ARGS` of ``args`` as JSON values; local paths made absolute, so
+    the same run launched from another folder is the same run."""
+    identity = {}
+    for name in RUN_IDENTITY_ARGS:
+        value = getattr(args, name, None)
+        if name in ("pretrained_model_name_or_path", "prompt_dataset") and value and os.path.exists(value):
+            value = os.path.abspath(value)
+        identity[name] = list(value) if isinstance(value, tuple) else value
+    return identity
+
+
+def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``--name <recorded> there, <current> here`` for each argument the two runs set differently
+    (arguments one side did not record are not compared)."""
+    return [
+        f"--{name} {recorded[name]!r} there, {current[name]!r} here"
+        for name in current
+        if name in recorded and recorded[name] != current[name]
+    ]
+
+
+FRESH_START = "start afresh with --overwrite_output_dir or a new --output_dir"
+
+
+def check_output_dir(output_dir: str, identity: dict[str, Any], resuming: bool) -> None:
+    """Refuse, in one sentence, to write into an ``output_dir`` that holds another run's
+    checkpoints, or (``resuming`` False) to start over on top of this run's own checkpoints."""
+    found = checkpoint_dirs(output_dir)
+    for path in found:
+        differences = identity_differences(read_state(path).get("run", {}), identity)
+        if differences:
+            raise ValueError(
+                f"--output_dir {output_dir} holds {os.path.basename(path)} of another run "
+                f"({'; '.join(differences)}): {FRESH_START}."
+            )
+    if found and not resuming:
+        raise ValueError(
+            f"--output_dir {output_dir} already holds this run's checkpoints up to {os.path.basename(found[-1])}: "
+            f"continue it with --resume_from_checkpoint latest, or {FRESH_START}."
+        )
+
+
+def check_resumable(path: str, identity: dict[str, Any]) -> None:
+    """Refuse, in one sentence, to resume checkpoint ``path`` of a run with other arguments
+    (a checkpoint written before runs were recorded is accepted)."""
+    differences = identity_differences(read_state(path).get("run", {}), identity)
+    if differences:
+        raise ValueError(
+            f"Cannot resume from {path}: it belongs to another run ({'; '.join(differences)}); "
+            f"resume with that run's arguments, or {FRESH_START}."
+        )
+
+
+def clear_output_dir(output_dir: str) -> None:
+    """``--overwrite_output_dir``: remove the checkpoints (complete or not) a fresh run must not
+    resume or mix with. Main process only; the export and samples are overwritten as written."""
+    if not os.path.isdir(output_dir):
+        return
+    for name in os.listdir(output_dir):
+        if _CHECKPOINT_RE.match(name.removesuffix(".tmp")):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+
+
+def trim_metrics(metrics_path: str, last_epoch: int) -> None:
+    """Keep the lines of ``metrics.jsonl`` up to epoch ``last_epoch`` (-1: none), so a resumed
+    run that redoes the later epochs does not log their steps twice. A line cut short by a
+    kill is dropped too. Main process only."""
+    if not os.path.exists(metrics_path):
+        return
+    kept = []
+    with open(metrics_path) as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("epoch"), int) and record["epoch"] <= last_epoch:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    with open(metrics_path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(metrics_path + ".tmp", metrics_path)
+
+
 def prune_checkpoints(output_dir: str, total_limit: int | None, keep: str | None = None) -> None:
     """Remove the oldest complete checkpoints so that at most ``total_limit`` remain, never
     ``keep`` (the one just saved). Call it after a save has completed, so that a failed save
@@ -194,10 +290,12 @@ def save_checkpoint(
     use_lora: bool,
     ema: EMA | None = None,
     total_limit: int | None = None,
+    run: dict[str, Any] | None = None,
 ) -> str:
     """Save everything needed to resume after ``epoch`` (and an export for evaluation).
     Written to ``checkpoint-<step>.tmp`` and renamed when complete; only then are the oldest
-    checkpoints pruned to ``total_limit``. Returns the path.
+    checkpoints pruned to ``total_limit``. ``run`` (:func:`run_identity`) is recorded in
+    ``genrl_state.json``, so that only the same run resumes it. Returns the path.
 
     Raises:
         CheckpointSaveError: writing failed (a full disk is named as such); the ``.tmp`` was
@@ -216,7 +314,8 @@ def save_checkpoint(
         export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
         if accelerator.is_main_process:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes}, f)
+                state = {"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes}
+                json.dump({**state, "run": run} if run is not None else state, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
     except Exception as err:
@@ -245,16 +344,19 @@ def read_state(path: str) -> dict:
     return state
 
 
-def load_checkpoint(accelerator, path: str, ema: EMA | None = None) -> tuple[int, int]:
+def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[str, Any] | None = None) -> tuple[int, int]:
     """Restore model, optimizer, scheduler, RNG and EMA from ``path``; returns
     ``(global_step, epoch)`` of the checkpoint (training continues at ``epoch + 1``).
 
     Nothing in ``path`` runs code: every pickle file is checked weights-only against a short
     allow-list first (:func:`genrl.safe_load.verify_checkpoint`), and a file that fails is
     refused with :class:`~genrl.safe_load.UnsafeCheckpointError` before Accelerate or
-    DeepSpeed opens it. An unreadable RNG state is a logged warning.
+    DeepSpeed opens it. An unreadable RNG state is a logged warning. With ``run``, a checkpoint
+    of a run with other arguments is refused (:func:`check_resumable`).
     """
     state = read_state(path)
+    if run is not None:
+        check_resumable(path, run)
     if state.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
         raise ValueError(
             f"Checkpoint {path!r} was written by {state['num_processes']} processes but this run has "
