@@ -360,11 +360,16 @@ def validate_args(args) -> None:
 
 
 def check_writable(folder: str) -> None:
-    """``folder`` exists (it is created) and a file can be written in it, or one sentence
-    saying why not: found now rather than at the first checkpoint, after the models loaded."""
+    """A file can be written in ``folder``, or in its deepest existing parent when it does not
+    exist yet (nothing is created here); else one sentence saying why not: found now rather
+    than at the first checkpoint, after the models loaded."""
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
     try:
-        os.makedirs(folder, exist_ok=True)
-        with tempfile.TemporaryFile(dir=folder):
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
         raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None

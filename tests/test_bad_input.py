@@ -75,7 +75,9 @@ def test_an_output_dir_that_cannot_be_written_is_refused(tiny_sd3, prompt_file, 
     blocker.write_text("")
     out = str(blocker / "out")
     message = parse_error(capsys, args_with(tiny_sd3, prompt_file, out))
-    assert message == f"--output_dir {out!r} cannot be written to (Not a directory); choose another folder."
+    assert message == f"--output_dir {out!r} cannot be written to ({blocker} is a file); choose another folder."
+    train_genrl.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "fine" / "out")))
+    assert not os.path.exists(tmp_path / "fine"), "parsing the arguments created the folder"
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
