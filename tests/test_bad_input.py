@@ -116,6 +116,7 @@ def test_records_without_a_prompt_are_counted_in_a_warning(tmp_path, caplog):
     assert not caplog.records, "blank lines of a text file are not records"
 
 
+@pytest.mark.slow
 def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a red circle"}\n{"prompt": \n')

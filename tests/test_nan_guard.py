@@ -92,6 +92,7 @@ def assert_nothing_saved_after_step_1(output_dir):
         assert all(not (isinstance(v, float) and math.isnan(v)) for v in json.loads(line).values()), line
 
 
+@pytest.mark.slow
 def test_a_huge_learning_rate_with_a_reward_blind_to_nan_stops_in_the_update(tiny_sd3, prompt_file, tmp_path):
     """Four optimizer steps per epoch: step 1 makes the weights huge, steps 2-4 give a NaN loss."""
     out = str(tmp_path / "out")
@@ -105,6 +106,7 @@ def test_a_huge_learning_rate_with_a_reward_blind_to_nan_stops_in_the_update(tin
     assert_nothing_saved_after_step_1(out)
 
 
+@pytest.mark.slow
 def test_a_huge_learning_rate_with_a_builtin_reward_stops_before_the_reward_sees_nan(tiny_sd3, prompt_file, tmp_path):
     """Two steps per epoch: step 2 is skipped (so no checkpoint-2), then epoch 1's samples are NaN."""
     out = str(tmp_path / "out")

@@ -92,6 +92,7 @@ def metric_steps(out):
     return [json.loads(l)["step"] for l in open(os.path.join(out, "logs", "metrics.jsonl"))]
 
 
+@pytest.mark.slow
 def test_a_run_refuses_another_runs_folder_resumes_its_own_and_overwrites_on_request(tiny_sd3, prompt_file, tmp_path):
     out = str(tmp_path / "out")
     train(tiny_sd3, prompt_file, out)
