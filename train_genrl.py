@@ -259,6 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--hub_model_id", type=str, default=None, help="Hub repo to push to (default: the --output_dir name).")
     group.add_argument("--hub_token", type=str, default=None,
                        help="Hub token for the upload (never recorded; `hf auth login` or HF_TOKEN keep it off the command line).")
+    group.add_argument("--collective_timeout", type=float, default=1800, help="Seconds a process waits for the others in a collective before the run fails (a hung or stopped rank).")
     group.add_argument("--hub_private", action="store_true", help="Create the Hub repo private.")
     group.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
 
@@ -349,6 +350,8 @@ def validate_args(args) -> None:
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective_timeout must be a number of seconds > 0, got {args.collective_timeout}.")
     if args.overwrite_output_dir and args.resume_from_checkpoint:
         raise ValueError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them.")
     # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
@@ -438,6 +441,7 @@ def main(args):
         # Every trained timestep of every micro batch is one backward pass of the accumulation.
         gradient_accumulation_steps=args.gradient_accumulation_steps * n_train_steps,
         log_with=args.report_to,
+        collective_timeout_s=args.collective_timeout,
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
@@ -898,8 +902,11 @@ def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
 
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model or reward weights
-    that cannot be fetched) ends in its one sentence and exit status 1, not in a traceback."""
+    that cannot be fetched, a learning rate that made the weights diverge) ends in its one
+    sentence and exit status 1, not in a traceback; so does a collective that timed out
+    waiting for a hung peer (the sentence names the rank and the operation)."""
     from genrl.console import hide_loading_bars, silence_known_noise
+    from genrl.distributed import describe_timeout
     from genrl.errors import find_setup_error
 
     silence_known_noise()  # before the libraries load: some warn on import
@@ -908,10 +915,10 @@ def run(argv=None) -> None:
     try:
         main(args)
     except Exception as error:
-        setup_error = find_setup_error(error)
-        if setup_error is None:
+        reason = find_setup_error(error) or describe_timeout(error, args.collective_timeout)
+        if reason is None:
             raise
-        raise SystemExit(f"train_genrl.py: error: {setup_error}") from None
+        raise SystemExit(f"train_genrl.py: error: {reason}") from None
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from datetime import timedelta
 from typing import Iterator
 
 import torch
@@ -23,13 +24,27 @@ def build_accelerator(
     mixed_precision: str | None = None,
     gradient_accumulation_steps: int = 1,
     log_with: str | list[str] | None = None,
+    collective_timeout_s: float | None = None,
 ) -> Accelerator:
-    """An Accelerator that uses gloo when there is no CUDA (DeepSpeed included)."""
+    """An Accelerator that uses gloo when there is no CUDA (DeepSpeed included).
+
+    ``collective_timeout_s`` bounds every collective of the process group (gloo and NCCL,
+    DeepSpeed's included): a rank waiting longer for a hung or stopped peer fails instead of
+    waiting forever (see :func:`describe_timeout`).
+    """
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
     cpu_only = launched and not torch.cuda.is_available()
+    group = {"backend": "gloo"} if cpu_only else {}
+    if collective_timeout_s:
+        group["timeout"] = timedelta(seconds=collective_timeout_s)
+        # DeepSpeed builds its data-parallel groups with new_group(ranks), which takes torch's
+        # module default (30 min), not the default group's timeout: set that default too.
+        import torch.distributed.distributed_c10d as c10d
+
+        c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = group["timeout"]
     # A single plain process has no process group: a backend there would make Accelerate ask for one.
-    kwargs_handlers = [InitProcessGroupKwargs(backend="gloo")] if cpu_only else []
+    kwargs_handlers = [InitProcessGroupKwargs(**group)] if launched and group else []
     return Accelerator(
         # Without CUDA, a multi_gpu (DDP) config becomes DDP over gloo on CPU; DeepSpeed keeps its own type.
         cpu=cpu_only and not deepspeed,
@@ -38,6 +53,24 @@ def build_accelerator(
         log_with=None if log_with in (None, "none", ["none"]) else log_with,
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=f"{output_dir}/{logging_dir}"),
         kwargs_handlers=kwargs_handlers,
+    )
+
+
+def describe_timeout(err: BaseException, timeout_s: float) -> str | None:
+    """One sentence for a collective that timed out waiting for a peer (rank and operation
+    named), or None when ``err`` is something else."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or ("Timed out" not in text and "timed out" not in text.lower()):
+        return None
+    operation, tb = "a collective", err.__traceback__
+    while tb is not None:  # the innermost torch.distributed call is the operation that waited
+        if tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py"):
+            operation = tb.tb_frame.f_code.co_name
+        tb = tb.tb_next
+    rank = os.environ.get("RANK", "0")
+    return (
+        f"Rank {rank} waited more than --collective_timeout {timeout_s:g} s in {operation} for the other processes "
+        f"({text.splitlines()[0].strip()}): one of them is hung, stopped or dead, so the run was ended."
     )
 
 
