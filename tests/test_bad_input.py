@@ -127,7 +127,7 @@ def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd
     assert proc.stderr.strip().splitlines()[-1] == (
         f"train_genrl.py: error: Prompt file {str(path)!r} line 2 is not valid JSON (Expecting value at column 11)."
     )
-    assert "Loading pipeline components" not in proc.stderr
+    assert "trained timesteps per sample" not in proc.stderr
 
 
 @pytest.mark.usefixtures("isolated_rewards")

@@ -105,7 +105,7 @@ def test_a_run_refuses_another_runs_folder_resumes_its_own_and_overwrites_on_req
         last = proc.stderr.strip().splitlines()[-1]
         assert proc.returncode == 1 and last.startswith("train_genrl.py: error: "), proc.stderr[-2000:]
         assert "--seed 1 there, 2 here" in last and "--overwrite_output_dir or a new --output_dir" in last
-        assert "Loading pipeline components" not in proc.stderr, "refused only after loading the models"
+        assert "trained timesteps per sample" not in proc.stderr, "refused only after loading the models"
     proc = train(tiny_sd3, prompt_file, out, check=False)  # the same run, started over on its own checkpoints
     assert proc.returncode == 1 and "continue it with --resume_from_checkpoint latest" in proc.stderr
     assert before == {d: os.path.getmtime(os.path.join(out, d, STATE_FILE)) for d in before}, "a refused run wrote"

@@ -152,7 +152,7 @@ def test_resuming_a_poisoned_zero2_checkpoint_fails_before_loading_and_runs_noth
     assert proc.returncode != 0
     refusals = [l for l in proc.stderr.splitlines() if l.startswith("train_genrl.py: error: Refusing to resume")]
     assert refusals and "mp_rank_00_model_states.pt calls exec when unpickled" in refusals[0], proc.stderr[-3000:]
-    assert "Loading pipeline components" not in proc.stderr and not os.path.isdir(os.path.join(output_dir, "checkpoint-4"))
+    assert "trained timesteps per sample" not in proc.stderr and not os.path.isdir(os.path.join(output_dir, "checkpoint-4"))
 
 
 def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
