@@ -70,6 +70,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def script_errors(stderr: str, script: str = "train_genrl.py") -> list[str]:
+    """The ``<script>: error: <sentence>`` reports in a script's stderr, in order (a progress bar
+    left open may share their line)."""
+    prefix = f"{script}: error: "
+    return [line[line.index(prefix):] for line in stderr.splitlines() if prefix in line]
+
+
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory) -> str:
     """A tiny random SD3 pipeline saved to disk, loaded by the scripts through from_pretrained."""

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, script_env
+from conftest import ROOT, script_env, script_errors
 
 import train_genrl
 from genrl.data import load_prompts
@@ -124,9 +124,9 @@ def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *argv], env=script_env(),
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines()[-1] == (
+    assert script_errors(proc.stderr) == [
         f"train_genrl.py: error: Prompt file {str(path)!r} line 2 is not valid JSON (Expecting value at column 11)."
-    )
+    ]
     assert "trained timesteps per sample" not in proc.stderr
 
 

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from conftest import launch_command, script_env
+from conftest import launch_command, script_env, script_errors
 
 TIMEOUT_S = 20
 
@@ -64,7 +64,7 @@ def test_a_stopped_rank_under_zero2_ends_the_run_within_the_timeout(tiny_sd3, pr
                 stopped.kill()
     text = stderr_path.read_text()
     assert proc.returncode != 0
-    errors = [l for l in text.splitlines() if l.startswith("train_genrl.py: error: Rank 0 waited more than")]
+    errors = [e for e in script_errors(text) if e.startswith("train_genrl.py: error: Rank 0 waited more than")]
     assert errors, text[-3000:]
     assert errors[0].startswith(f"train_genrl.py: error: Rank 0 waited more than --collective_timeout {TIMEOUT_S} s in ")
     assert "one of them is hung, stopped or dead" in errors[0]

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import launch_command, script_env
+from conftest import launch_command, script_env, script_errors
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
 
 NAN = float("nan")
@@ -98,11 +98,11 @@ def test_a_huge_learning_rate_with_a_reward_blind_to_nan_stops_in_the_update(tin
     out = str(tmp_path / "out")
     stderr = huge_lr_run(tiny_sd3, prompt_file, out, "blind_reward:by_index", tmp_path, batches_per_epoch=2)
     assert "Step 2: non-finite loss; the optimizer step was skipped (1 in a row" in stderr
-    assert stderr.strip().splitlines()[-1] == (
+    assert script_errors(stderr) == [(
         "train_genrl.py: error: Stopped at step 4: the last 3 optimizer steps had a non-finite loss, so the weights "
         "diverged, most likely because --learning_rate 1e+10 is too high for these rewards; nothing after the last "
         "finite step was saved."
-    )
+    )]
     assert_nothing_saved_after_step_1(out)
 
 
@@ -112,8 +112,9 @@ def test_a_huge_learning_rate_with_a_builtin_reward_stops_before_the_reward_sees
     out = str(tmp_path / "out")
     stderr = huge_lr_run(tiny_sd3, prompt_file, out, "jpeg_compressibility", tmp_path, batches_per_epoch=1)
     assert "Not saving checkpoint-2: its last optimizer step was non-finite." in stderr
-    last = stderr.strip().splitlines()[-1]
-    assert last.startswith("train_genrl.py: error: Stopped in epoch 1 after step 2: the policy's samples are NaN"), last
+    errors = script_errors(stderr)
+    assert len(errors) == 1, stderr[-3000:]
+    assert errors[0].startswith("train_genrl.py: error: Stopped in epoch 1 after step 2: the policy's samples are NaN")
     assert "Float images" not in stderr
     assert_nothing_saved_after_step_1(out)
 
@@ -126,7 +127,7 @@ def test_ranks_agree_and_stop_together_under_zero2(tiny_sd3, prompt_file, tmp_pa
     stderr = huge_lr_run(tiny_sd3, prompt_file, out, "blind_reward:by_index", tmp_path, batches_per_epoch=2,
                          config="zero2", num_processes=2)
     # The launcher ends the other rank as soon as one exits, so one or both may have said it.
-    stops = {l for l in stderr.splitlines() if l.startswith("train_genrl.py: error: Stopped at step")}
+    stops = set(script_errors(stderr))
     assert len(stops) == 1 and "Stopped at step 4: the last 3 optimizer steps" in stops.pop(), stderr[-3000:]
     assert "Step 2: non-finite loss; the optimizer step was skipped" in stderr
     assert_nothing_saved_after_step_1(out)

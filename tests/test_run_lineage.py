@@ -11,7 +11,7 @@ from argparse import Namespace
 
 import pytest
 
-from conftest import ROOT, run_script, script_env
+from conftest import ROOT, run_script, script_env, script_errors
 from genrl.checkpointing import (
     STATE_FILE, check_output_dir, check_resumable, identity_differences, run_identity, trim_metrics,
 )
@@ -102,8 +102,9 @@ def test_a_run_refuses_another_runs_folder_resumes_its_own_and_overwrites_on_req
 
     for extra in ([], ["--resume_from_checkpoint", "latest"]):  # another seed: another run
         proc = train(tiny_sd3, prompt_file, out, "--seed", "2", *extra, check=False)
-        last = proc.stderr.strip().splitlines()[-1]
-        assert proc.returncode == 1 and last.startswith("train_genrl.py: error: "), proc.stderr[-2000:]
+        errors = script_errors(proc.stderr)
+        assert proc.returncode == 1 and len(errors) == 1, proc.stderr[-2000:]
+        last = errors[0]
         assert "--seed 1 there, 2 here" in last and "--overwrite_output_dir or a new --output_dir" in last
         assert "trained timesteps per sample" not in proc.stderr, "refused only after loading the models"
     proc = train(tiny_sd3, prompt_file, out, check=False)  # the same run, started over on its own checkpoints

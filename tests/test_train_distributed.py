@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch_command, run_script, script_env
+from conftest import ROOT, launch_command, run_script, script_env, script_errors
 
 pytestmark = pytest.mark.slow
 
@@ -65,7 +65,8 @@ def test_two_process_run_writes_checkpoints_and_loadable_export(runs, tiny_sd3, 
     assert checkpoints == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert not any(d.endswith(".tmp") for d in os.listdir(output_dir))
     state = json.load(open(os.path.join(output_dir, "checkpoint-3", "genrl_state.json")))
-    assert state == {"global_step": 3, "epoch": 2, "num_processes": 2}
+    assert state == {"global_step": 3, "epoch": 2, "num_processes": 2, "run": state["run"]}
+    assert state["run"]["seed"] == 7 and state["run"]["group_size"] == 4, "the checkpoint records its run"
 
     trained = SD3Transformer2DModel.from_pretrained(os.path.join(output_dir, "transformer"))
     base = SD3Transformer2DModel.from_pretrained(tiny_sd3, subfolder="transformer")
@@ -150,7 +151,7 @@ def test_resuming_a_poisoned_zero2_checkpoint_fails_before_loading_and_runs_noth
                           capture_output=True, text=True, timeout=300)
     assert not ran(marker), "the poisoned checkpoint ran its payload"
     assert proc.returncode != 0
-    refusals = [l for l in proc.stderr.splitlines() if l.startswith("train_genrl.py: error: Refusing to resume")]
+    refusals = [e for e in script_errors(proc.stderr) if e.startswith("train_genrl.py: error: Refusing to resume")]
     assert refusals and "mp_rank_00_model_states.pt calls exec when unpickled" in refusals[0], proc.stderr[-3000:]
     assert "trained timesteps per sample" not in proc.stderr and not os.path.isdir(os.path.join(output_dir, "checkpoint-4"))
 
