@@ -856,7 +856,8 @@ def main(args):
             eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
             sample_images=images,
             launch_command=run_config["launch_command"],
-            tags=["genrl", "grpo", policy.family],
+            tags=[policy.family],
+            objective=args.objective,
             repo_id=args.hub_model_id,
             pipeline_tag="text-to-video" if policy.is_video else "text-to-image",
         )

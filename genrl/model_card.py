@@ -17,6 +17,10 @@ from huggingface_hub import ModelCard, ModelCardData
 
 from genrl.scores import drop_repeated_total
 
+# How the card names each --objective, and its Hub tags.
+METHOD_NAMES = {"grpo": "GRPO / Flow-GRPO", "nft": "DiffusionNFT", "awm": "advantage-weighted matching"}
+METHOD_TAGS = {"grpo": ["grpo", "flow-grpo"], "nft": ["diffusion-nft"], "awm": ["awm"]}
+
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 _TEMPLATE = """---
@@ -25,7 +29,7 @@ _TEMPLATE = """---
 
 # {{ title }}
 
-Fine-tuned from {{ base_model_link }} with reinforcement learning (GRPO / Flow-GRPO) by genrl,
+Fine-tuned from {{ base_model_link }} with reinforcement learning ({{ method }}) by genrl,
 against the reward `{{ reward_spec }}`.
 {% if is_lora %}
 This repository holds a LoRA adapter of the transformer (`pytorch_lora_weights.safetensors`).
@@ -189,6 +193,7 @@ def write_model_card(
     pipeline_tag: str | None = None,
     baseline_metrics: dict | None = None,
     eval_steps: tuple[int, int] | None = None,
+    objective: str = "grpo",
 ) -> str:
     """Write ``export_dir/README.md`` and return its path.
 
@@ -213,13 +218,15 @@ def write_model_card(
         pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``.
         baseline_metrics: the evaluation before training, in any form ``eval_metrics`` takes.
         eval_steps: the optimizer steps of the two evaluations, for the column titles.
+        objective: the ``--objective`` trained with (``grpo``, ``nft``, ``awm``): the method named
+            in the text and the tags.
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
     is_lora = os.path.isfile(os.path.join(export_dir, "pytorch_lora_weights.safetensors"))
     is_hub_id = bool(_HUB_ID.match(base_model)) and not os.path.exists(base_model)
     base_name = _base_model_name(base_model, is_hub_id)
-    card_tags = ["genrl", "grpo", "flow-grpo", "reinforcement-learning", "diffusers"]
+    card_tags = ["genrl", *METHOD_TAGS.get(objective, [objective]), "reinforcement-learning", "diffusers"]
     card_tags += ["lora"] if is_lora else []
     card_tags += list(tags or [])
     card_data = ModelCardData(
@@ -237,6 +244,7 @@ def write_model_card(
         base_ref=base_model if is_hub_id else f"path/to/{base_name}" if repo_id else os.path.abspath(base_model),
         weights_ref=repo_id or os.path.abspath(export_dir),
         reward_spec=reward_spec,
+        method=METHOD_NAMES.get(objective, objective),
         is_lora=is_lora,
         eval_rows=_eval_rows(eval_metrics),
         before_after_rows=_before_after_rows(baseline_metrics, eval_metrics),

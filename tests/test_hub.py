@@ -219,3 +219,13 @@ def test_model_card_shows_the_score_before_and_after_training(tmp_path):
                                            eval_metrics=evals[-1][1], baseline_metrics=evals[0][1], eval_steps=(0, 40))).text
     assert "| reward | before (step 0) | after (step 40) | change |" in card
     assert "| toy_geneval | 0.4000 | 0.5000 | +0.1000 |" in card and "| total |" not in card
+
+
+def test_model_card_names_the_objective_it_was_trained_with(tmp_path):
+    export = tmp_path / "nft"
+    (export / "transformer").mkdir(parents=True)
+    write_model_card(str(export), base_model="tiny/sd3", reward_spec="toy_geneval", hyperparameters={"objective": "nft"},
+                     objective="nft")
+    card = ModelCard.load(str(export / "README.md"))
+    assert "diffusion-nft" in card.data.tags and "grpo" not in card.data.tags
+    assert "(DiffusionNFT)" in card.text and "GRPO" not in card.text.split("## Training")[0]
