@@ -124,7 +124,9 @@ def setting_args(setting: str, workdir: str) -> list[str]:
     return [
         "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--eval_prompt_dataset", prompts,
         "--reward_fn", "toy_geneval", "--group_size", "2", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
-        "--train_batch_size", "2", "--gradient_accumulation_steps", "1", "--num_inference_steps", "3",
+        # One optimizer step per epoch (4 samples, one trained timestep each), so the curve has a
+        # point after every step: evaluation runs at epoch ends.
+        "--train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_inference_steps", "3",
         "--sde_window_size", "1", "--sde_window_range", "0", "2", "--eval_batch_size", "4", "--eval_max_batches", "1",
     ]
 
