@@ -27,7 +27,8 @@ from accelerate.logging import get_logger
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, zero_init_disabled
-from genrl.evaluation import evaluate, save_comparison, save_eval_outputs
+from genrl.eval_outputs import save_comparison, save_eval_outputs
+from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig

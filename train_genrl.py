@@ -613,7 +613,8 @@ def main(args):
         """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.evaluation import compact_scores, evaluate, save_image_grid, save_videos, score_caption
+        from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
+        from genrl.evaluation import evaluate
 
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():

@@ -15,7 +15,7 @@ from typing import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from genrl.scores import drop_repeated_total
+from genrl.scores import drop_repeated_total, format_score
 
 # How the card names each --objective, and its Hub tags.
 METHOD_NAMES = {"grpo": "GRPO / Flow-GRPO", "nft": "DiffusionNFT", "awm": "advantage-weighted matching"}
@@ -104,7 +104,8 @@ def _eval_stats(eval_metrics: dict | None) -> dict[str, dict]:
 
 def _eval_rows(eval_metrics: dict | None) -> list[tuple[str, str, str]]:
     """Table rows (reward, mean, std); ``eval_metrics`` in any form ``_eval_stats`` reads."""
-    return [(name, _fmt(s.get("mean")), _fmt(s.get("std"))) for name, s in sorted(_eval_stats(eval_metrics).items())]
+    stats = sorted(_eval_stats(eval_metrics).items())
+    return [(name, format_score(s.get("mean"), ".4f", ""), format_score(s.get("std"), ".4f", "")) for name, s in stats]
 
 
 def _before_after_rows(before: dict | None, after: dict | None) -> list[tuple[str, str, str, str]]:
@@ -116,7 +117,7 @@ def _before_after_rows(before: dict | None, after: dict | None) -> list[tuple[st
     for name in sorted(set(first) & set(last)):
         a, b = first[name].get("mean"), last[name].get("mean")
         change = f"{b - a:+.4f}" if isinstance(a, (int, float)) and isinstance(b, (int, float)) else ""
-        rows.append((name, _fmt(a), _fmt(b), change))
+        rows.append((name, format_score(a, ".4f", ""), format_score(b, ".4f", ""), change))
     return rows
 
 
@@ -153,10 +154,6 @@ def _used_hyperparameters(hyperparameters: dict) -> dict:
 def _base_model_name(base_model: str, is_hub_id: bool) -> str:
     """A Hub id as it is; a local folder by its name (an absolute path names this machine only)."""
     return base_model if is_hub_id else os.path.basename(os.path.normpath(base_model))
-
-
-def _fmt(x) -> str:
-    return "" if x is None else f"{x:.4f}" if isinstance(x, float) else str(x)
 
 
 def _card_images(export_dir: str, sample_images: Iterable[str]) -> list[str]:

@@ -17,3 +17,8 @@ def drop_repeated_total(scores: Mapping[str, T], same: Callable[[T, T], bool] = 
     if total is not None and any(v is not None and same(total, v) for k, v in out.items() if k != "total"):
         del out["total"]
     return out
+
+
+def format_score(value: float | None, spec: str = ".4g", missing: str = "n/a") -> str:
+    """A score as text: ``format(value, spec)``, or ``missing`` when there is none."""
+    return missing if value is None else format(value, spec)

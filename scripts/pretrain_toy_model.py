@@ -484,7 +484,8 @@ something to teach it.
   `scaling_factor` measured on the training scenes;
 - text_encoder, text_encoder_2: `CLIPTextModelWithProjection`, 3 layers, width {args.text_width}
   ({sizes['text_encoder'] / 1e6:.2f}M each); tokenizer, tokenizer_2: a word-level tokenizer over the
-  toy grammar, `model_max_length` {args.max_length};
+  toy grammar, `model_max_length` {args.max_length} (two identical copies: the SD3 pipeline loads
+  one tokenizer per CLIP encoder);
 - text_encoder_3: a stand-in `T5EncoderModel` with no layers and all-zero embeddings, so it outputs
   the all-zero T5 tokens the SD3 pipeline uses when `text_encoder_3` is None, while the folder
   loads with a plain `from_pretrained`; tokenizer_3 reads a whole prompt as one token. The

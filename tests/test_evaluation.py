@@ -13,7 +13,8 @@ import torch
 
 import eval_genrl
 import genrl.evaluation as evaluation
-from genrl.evaluation import batches_of_process, eval_batches, evaluate, save_image_grid, spread_indices
+from genrl.eval_outputs import save_eval_outputs, save_image_grid
+from genrl.evaluation import batches_of_process, eval_batches, evaluate, spread_indices
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
@@ -324,7 +325,7 @@ def test_not_applicable_scores_are_left_out_of_means_and_written_as_null(policy,
     result = _evaluate(policy, reward, max_batches=2)
     assert result.metrics["total"] == {"mean": 1.0, "std": 0.0, "count": 1}  # only "a red circle"
     assert [r["scores"]["total"] for r in result.per_prompt] == [1.0, None, None, None]
-    evaluation.save_eval_outputs(result, str(tmp_path))
+    save_eval_outputs(result, str(tmp_path))
 
     def no_nan(token):
         raise AssertionError(f"metrics.json holds {token}")
@@ -365,7 +366,7 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
 
 def test_sample_captions_stay_smaller_than_a_32px_sample(tmp_path):
     """A trained sample's caption: no n/a, no total repeating the one reward, short sub-score names."""
-    from genrl.evaluation import compact_scores, score_caption
+    from genrl.eval_outputs import compact_scores, score_caption
 
     scores = {"total": 0.6667, "toy_geneval": 0.6667, "toy_geneval_strict": 0.0, "toy_geneval_color": 1.0,
               "toy_geneval_shape": 1.0, "toy_geneval_count": None, "toy_geneval_position": 0.0}

@@ -136,17 +136,23 @@ class FlowPolicy:
 
     def schedule_kwargs(self, num_inference_steps: int, latents: torch.Tensor) -> dict:
         """Extra arguments of ``scheduler.set_timesteps``, as the family's pipeline passes them."""
-        config = self.scheduler.config
-        if not config.get("use_dynamic_shifting", False):
+        if not self.scheduler.config.get("use_dynamic_shifting", False):
             return {}
-        mu = calculate_shift(
+        return {"mu": self.shift_mu(latents)}
+
+    # The pipelines' fallback when the scheduler config has no max_shift (SD3: 1.16, FLUX: 1.15).
+    default_max_shift = 1.16
+
+    def shift_mu(self, latents: torch.Tensor) -> float:
+        """The resolution-dependent timestep shift mu of the scheduler's dynamic shifting."""
+        config = self.scheduler.config
+        return calculate_shift(
             self.image_seq_len(latents),
             config.get("base_image_seq_len", 256),
             config.get("max_image_seq_len", 4096),
             config.get("base_shift", 0.5),
-            config.get("max_shift", 1.16),
+            config.get("max_shift", self.default_max_shift),
         )
-        return {"mu": mu}
 
     def predict_velocity(
         self,

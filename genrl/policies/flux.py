@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from diffusers import FluxPipeline
 
-from genrl.policies.base import FlowPolicy, calculate_shift, check_divisible, module_dtype
+from genrl.policies.base import FlowPolicy, check_divisible, module_dtype
 
 
 class FluxPolicy(FlowPolicy):
@@ -46,21 +46,15 @@ class FluxPolicy(FlowPolicy):
     def image_seq_len(self, latents):
         return (latents.shape[-2] // 2) * (latents.shape[-1] // 2)
 
+    default_max_shift = 1.15
+
     def schedule_kwargs(self, num_inference_steps, latents):
         # FluxPipeline: sigmas linspace(1, 1/N, N) and mu always computed (used when the
         # scheduler config asks for dynamic shifting).
-        config = self.scheduler.config
         sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps)
-        if config.get("use_flow_sigmas", False):
+        if self.scheduler.config.get("use_flow_sigmas", False):
             sigmas = None
-        mu = calculate_shift(
-            self.image_seq_len(latents),
-            config.get("base_image_seq_len", 256),
-            config.get("max_image_seq_len", 4096),
-            config.get("base_shift", 0.5),
-            config.get("max_shift", 1.15),
-        )
-        return {"sigmas": sigmas, "mu": mu}
+        return {"sigmas": sigmas, "mu": self.shift_mu(latents)}
 
     def predict_velocity(self, transformer, latents, timestep, embeds, guidance_scale):
         dtype = module_dtype(transformer)
