@@ -85,9 +85,23 @@ def test_deterministic_per_epoch_and_changes_across_epochs():
     assert a.batches(4) != PromptGroupSampler(50, 4, 8, 2, 2, 1, seed=4).batches(4)
 
 
-def test_check_batch_sizes_accepts_good_sizes():
-    check_batch_sizes(group_size=4, train_batch_size=2, num_processes=8, batches_per_epoch=2, num_prompts=10,
-                      train_micro_batch_size=2)
+@pytest.mark.parametrize("num_processes", [1, 8])
+def test_check_batch_sizes_accepts_exactly_the_sizes_that_keep_groups_and_steps_whole(num_processes):
+    """Over a grid of sizes: accepted iff one rank's epoch holds whole prompt groups and whole
+    micro batches (neither a false refusal nor a size that would split a group)."""
+    for group_size in range(2, 7):
+        for rollout in range(1, 13):
+            for batches in (1, 2, 3):
+                for micro in (1, 2, 4, 6):
+                    per_rank = rollout * batches
+                    whole = per_rank % group_size == 0 and per_rank % micro == 0
+                    try:
+                        check_batch_sizes(group_size=group_size, train_batch_size=rollout, num_processes=num_processes,
+                                          batches_per_epoch=batches, num_prompts=10, train_micro_batch_size=micro)
+                        accepted = True
+                    except ValueError:
+                        accepted = False
+                    assert accepted == whole, (group_size, rollout, batches, micro)
 
 
 @pytest.mark.parametrize(

@@ -165,12 +165,12 @@ def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
         "--pretrained_model_name_or_path", os.path.join(ROOT, "genrl", "assets", "toy-shapes-t2i"),
         "--prompt_dataset", os.path.join(ROOT, "genrl", "assets", "prompts", "toy_train.txt"),
         "--reward_fn", "toy_geneval", "--output_dir", output_dir, "--group_size", "4",
-        "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "2", "--train_batch_size", "2",
+        "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "1", "--train_batch_size", "2",
         "--num_inference_steps", "4", "--guidance_scale", "2", "--sde_window_size", "1",
-        "--num_epochs", "3", "--filter_zero_advantage", "--report_to", "none",
+        "--num_epochs", "2", "--filter_zero_advantage", "--report_to", "none",
     ]
     run_script("train_genrl.py", args, config="zero3", num_processes=2, timeout=300)
     lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
     kept = [l["train/kept_fraction"] for l in lines]
-    assert len(kept) == 3 and all(0 < k <= 1 for k in kept)
+    assert len(kept) == 2 and all(0 < k <= 1 for k in kept)
     assert min(kept) < 1, "no group had equal scores: the filter was never exercised"

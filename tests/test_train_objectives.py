@@ -1,6 +1,7 @@
 """The likelihood-free objectives (--objective nft / awm) through the real train_genrl.py:
-one process with LoRA and a KL term, two processes under the shipped ZeRO-2 config, and the
-same weights under DDP and ZeRO-2 (the forward-process draws depend on the sample alone)."""
+one process with LoRA and a KL term, and two processes: NFT under the shipped ZeRO-2 config,
+AWM under DDP. (That sharding leaves the weights unchanged is checked for GRPO in
+test_train_distributed; the forward-process draws depend on the sample alone, test_objectives.)"""
 
 import json
 import os
@@ -49,29 +50,21 @@ def test_nft_with_lora_and_kl_trains_in_one_process(tiny_sd3, prompt_file, tmp_p
 @pytest.fixture(scope="module")
 def two_process_runs(tiny_sd3, prompt_file, tmp_path_factory):
     out = {}
-    for objective, config in (("nft", "zero2"), ("nft", "multi_gpu"), ("awm", "zero2")):
+    for objective, config in (("nft", "zero2"), ("awm", "multi_gpu")):
         output_dir = str(tmp_path_factory.mktemp(f"{objective}-{config}"))
         extra = ("--beta", "0.01") if objective == "awm" else ()
         run_script("train_genrl.py", objective_args(tiny_sd3, prompt_file, output_dir, objective, *extra),
                    config=config, num_processes=2)
-        out[(objective, config)] = output_dir
+        out[objective] = output_dir
     return out
 
 
 @pytest.mark.parametrize("objective", ["nft", "awm"])
-def test_two_processes_under_zero2_train_and_export(two_process_runs, tiny_sd3, objective):
-    out = two_process_runs[(objective, "zero2")]
+def test_two_processes_train_and_export(two_process_runs, tiny_sd3, objective):
+    out = two_process_runs[objective]
     lines = train_lines(out)
     assert [l["step"] for l in lines] == [2, 4]
     assert all(torch.isfinite(torch.tensor(l["train/policy_loss"])) for l in lines)
     trained = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
     assert any(not torch.equal(trained[k], base[k]) for k in base), "training did not change any weight"
-
-
-def test_nft_gives_the_same_weights_under_ddp_and_zero2(two_process_runs):
-    ddp = load_file(os.path.join(two_process_runs[("nft", "multi_gpu")], "transformer", "diffusion_pytorch_model.safetensors"))
-    zero2 = load_file(os.path.join(two_process_runs[("nft", "zero2")], "transformer", "diffusion_pytorch_model.safetensors"))
-    assert ddp.keys() == zero2.keys()
-    for key in ddp:
-        torch.testing.assert_close(zero2[key], ddp[key], rtol=0, atol=1e-5, msg=key)
