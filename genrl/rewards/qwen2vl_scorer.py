@@ -138,16 +138,22 @@ def load_reward_model(
     attn_implementation: Optional[str] = None,
     lora_alpha: Optional[float] = None,
     lora_r: Optional[int] = None,
+    tokenizer_folder: Optional[str] = None,
 ):
     """``(model, tokenizer)``: the Qwen2-VL of ``base_folder`` (config, tokenizer) with
     ``rm_head = make_head(hidden_size)``, strictly loaded from ``weights`` (any layout; a PEFT
-    state dict is merged as ``W + lora_alpha / lora_r * B A``), frozen, on ``device``.
+    state dict is merged as ``W + lora_alpha / lora_r * B A``), frozen, on ``device``. The
+    tokenizer comes from ``tokenizer_folder`` instead when given (a checkpoint's own).
 
     The head is built float32 by ``make_head`` and stays so whatever ``dtype`` (bfloat16 on
     CUDA, float32 elsewhere, by default) the rest of the model takes.
     """
     state_dict = normalize_qwen2vl_state_dict(load_checkpoint_state_dict(weights), lora_alpha=lora_alpha, lora_r=lora_r)
     config, tokenizer = load_base_parts(base_folder)
+    if tokenizer_folder is not None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
     set_vocab_size(config, embedding_rows(state_dict))  # the reward tokens added rows to the base vocabulary
     model = build_qwen2vl_model(config, on_meta=on_meta, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
     with torch.device("meta" if on_meta else "cpu"):

@@ -1,9 +1,10 @@
 """VideoAlign / VideoReward (Qwen2-VL-2B + a linear reward head), on transformers >= 4.52.
 
-Model: Qwen2-VL with ``rm_head = Linear(hidden, 1, bias=False)`` read at the three special
-tokens of the prompt template, in the order they appear: visual quality (VQ), motion quality
-(MQ), text alignment (TA). The template puts the prompt after the VQ and MQ tokens, so with
-causal attention only TA depends on the prompt. The forward is the one VideoAlign was trained
+Model: Qwen2-VL with ``rm_head = Linear(hidden, 1, bias=False)`` read at three special
+tokens of the prompt template: ``<|VQ_reward|>`` for visual quality (VQ), ``<|MQ_reward|>``
+for motion quality (MQ), ``<|TA_reward|>`` for text alignment (TA), wherever the template
+puts them. The upstream template puts the prompt after the VQ and MQ tokens, so with causal
+attention only TA depends on the prompt. The forward is the one VideoAlign was trained
 with (`qwen2vl_compat.reward_hidden_states`). Scores are normalised per dimension,
 ``(r - mean) / std``, and ``Overall = VQ + MQ + TA`` (normalised).
 
@@ -16,6 +17,11 @@ Sources (defaults in brackets):
   new or PEFT layout.
 - ``base_model``: config, tokenizer and chat template [``model_config.model_name_or_path``,
   else ``Qwen/Qwen2-VL-2B-Instruct``; only json/tokenizer files are fetched].
+- reward token ids: the embedding rows of the three tokens were learned under the ids
+  VideoAlign's tokenizer gave them. When the checkpoint has its own tokenizer (tokenizer
+  files in ``checkpoint-<step>`` or beside ``model_config.json``), it is used and must hold
+  the three tokens; else they are added to the base tokenizer in VideoAlign's fixed order
+  VQ, MQ, TA, as its training code did (never in the order a template mentions them).
 - ``template_path``: the prompt template (json / text / VideoAlign's ``prompt_template.py``);
   else a ``prompt_template.*`` file in the checkpoint folder; else an importable
   ``prompt_template`` module (the VideoAlign repository on ``sys.path``), read as text.
@@ -76,6 +82,8 @@ TEMPLATE_CONSTANTS = {"detailed_special": ("DETAILED_PROMPT_WITH_SPECIAL_TOKEN",
 DIMENSIONS = ("VQ", "MQ", "TA")
 VIDEOALIGN_NAMES = {"videoalign_vq": "VQ", "videoalign_mq": "MQ", "videoalign_ta": "TA", "videoalign_overall": "Overall"}
 DEFAULT_VIDEO_FPS = 16.0
+REWARD_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")  # one per DIMENSIONS, in upstream's order
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
 VIDEOALIGN = ScorerFamily(
     family="VideoAlign",
     cache_name="videoalign",
@@ -158,6 +166,14 @@ def find_checkpoint(path: str, step: Optional[int] = None) -> tuple[str, str]:
     return path, path
 
 
+def find_tokenizer_folder(folders: Sequence[str]) -> Optional[str]:
+    """The first of ``folders`` holding tokenizer files (a checkpoint saved with its tokenizer), or None."""
+    for folder in folders:
+        if any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+            return folder
+    return None
+
+
 def normalize_scores(raw: torch.Tensor, norm: Optional[Mapping[str, tuple[float, float]]]) -> torch.Tensor:
     """``(N, 3)`` raw (VQ, MQ, TA) -> ``(r - mean_d) / std_d`` per dimension d (unchanged without stats)."""
     if norm is None:
@@ -178,7 +194,8 @@ class VideoAlignScorer(Qwen2VLScorer):
     """A loaded VideoAlign model with its tokenizer, template and config: selected frames of a
     video between ``min_pixels`` and ``max_pixels`` each, the linear head read at the VQ, MQ
     and TA tokens. ``.device`` is where the model is; ``.to(device)`` moves both (and the
-    lifecycle cache key) together."""
+    lifecycle cache key) together. ``tokenizer_source``: the checkpoint folder ``tokenizer``
+    came from, which must hold the reward tokens (none are added to a checkpoint's own)."""
 
     family = "VideoAlign"
     media = "video"
@@ -197,16 +214,20 @@ class VideoAlignScorer(Qwen2VLScorer):
         min_pixels: int = VIDEO_MIN_PIXELS,
         max_pixels: Optional[int] = None,
         video_fps: float = DEFAULT_VIDEO_FPS,
+        tokenizer_source: Optional[str] = None,
     ):
-        if len(template.special_tokens) != 3:
+        if sorted(template.special_tokens) != sorted(REWARD_TOKENS):
             raise ValueError(
-                f"VideoAlign reads VQ, MQ and TA at three special tokens, but the template from "
-                f"{template.source} names {list(template.special_tokens)}."
+                f"VideoAlign reads VQ, MQ and TA at three special tokens {list(REWARD_TOKENS)}, but the template "
+                f"from {template.source} names {list(template.special_tokens)}."
             )
         if config.output_dim not in (1, 3):
             raise ValueError(f"VideoAlign output_dim must be 1 or 3, got {config.output_dim}.")
         vocab = model.get_input_embeddings().weight.shape[0]
-        token_ids = add_special_tokens(tokenizer, template.special_tokens, vocab)
+        source = f"the checkpoint's tokenizer in {tokenizer_source}" if tokenizer_source else "the base tokenizer"
+        # In upstream's order, whatever the template's: a token's id picks its learned embedding row.
+        token_ids = add_special_tokens(tokenizer, REWARD_TOKENS, vocab, add_missing=tokenizer_source is None, source=source)
+        logger.info("VideoAlign reads VQ, MQ, TA at token ids %s of %s.", token_ids, source)
         super().__init__(
             model, tokenizer, chat_template, template, spec, device, reward_token_ids=token_ids, batch_size=batch_size,
             min_pixels=min_pixels, max_pixels=max_pixels if max_pixels is not None else config.max_frame_pixels,
@@ -278,6 +299,7 @@ def load_videoalign_scorer(
         )
     folders = [root] + ([weights] if os.path.isdir(weights) else [os.path.dirname(weights)])
     template = resolve_prompt_template(template_path, folders, UPSTREAM_TEMPLATE, parts or ())
+    own_tokenizer = find_tokenizer_folder(folders[::-1])  # the step's own first, then the run's
 
     alpha = lora_alpha if lora_alpha is not None else config.lora_alpha
     if alpha is not None and config.use_rslora and config.lora_r:
@@ -285,12 +307,14 @@ def load_videoalign_scorer(
     model, tokenizer = load_reward_model(
         weights, base_folder, partial(linear_head, output_dim=config.output_dim), device=device, dtype=dtype,
         on_meta=on_meta, attn_implementation=attn_implementation, lora_alpha=alpha, lora_r=config.lora_r,
+        tokenizer_folder=own_tokenizer,
     )
     if config.norm is None:
         logger.warning("VideoAlign: no normalisation statistics in %s/model_config.json; scores are raw.", root)
     return VideoAlignScorer(
         model, tokenizer, load_chat_template(tokenizer, base_folder), template, VisionSpec.from_folder(base_folder),
         config, device, batch_size=batch_size, min_pixels=min_pixels, max_pixels=max_pixels, video_fps=video_fps,
+        tokenizer_source=own_tokenizer,
     )
 
 
