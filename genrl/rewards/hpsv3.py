@@ -15,7 +15,10 @@ Sources (defaults in brackets; local paths work offline, Hub ids need the networ
 - ``template_path``: the prompt template (json / text / the upstream prompt module); else a
   ``prompt_template.*`` file beside the checkpoint; else the installed ``hpsv3`` package's
   ``dataset/data_collator_qwen.py``, read as text (its ``INSTRUCTION`` +
-  ``prompt_with_special_token``). The template text is never copied into this repository.
+  ``prompt_with_special_token``). The template text is never copied into this repository;
+  the text used is logged at load as the first 12 hex digits of its sha256 (the full digest
+  is ``scorer.template_sha256``), with a warning when it is not the upstream template, so that
+  a fork installed under the name ``hpsv3`` or an edited template file does not pass silently.
 
 Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean of the best
 30 % of frames (images are one-frame videos). Both come from one forward pass.
@@ -23,6 +26,7 @@ Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -38,13 +42,19 @@ from genrl.rewards.qwen2vl_preprocess import (
     load_chat_template,
     resolve_prompt_template,
 )
-from genrl.rewards.qwen2vl_scorer import Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
+from genrl.rewards.qwen2vl_scorer import SHORT_HASH, Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen2-VL-7B-Instruct"
 DEFAULT_CHECKPOINT_REPO = "MizzenAI/HPSv3"
 DEFAULT_CHECKPOINT_FILE = "HPSv3.safetensors"
 UPSTREAM_TEMPLATE = (("hpsv3", os.path.join("dataset", "data_collator_qwen.py")),)
 TEMPLATE_PARTS = ("INSTRUCTION", "prompt_with_special_token")
+# sha256 of the upstream template, INSTRUCTION + prompt_with_special_token as read from
+# hpsv3/dataset/data_collator_qwen.py of the authors' hpsv3 1.0.0 package (MizzenAI/HPSv3).
+# Only the digest is kept: the text stays upstream.
+UPSTREAM_TEMPLATE_SHA256 = "f6ee57479d4e9eee76b49c00dc962e1e696a5a2b3cc32cebd9b1fa76fe27502c"
 HPSV3_NAMES = ("hpsv3", "hpsv3_top30")
 TOP_FRACTION = 0.3
 HPSV3 = ScorerFamily(
@@ -114,6 +124,12 @@ class HPSv3Scorer(Qwen2VLScorer):
             reward_token_ids=token_ids, batch_size=batch_size, min_pixels=pixels, max_pixels=pixels,
         )
         self.pixels = int(pixels)
+        if self.template_sha256 != UPSTREAM_TEMPLATE_SHA256:  # e.g. a fork installed as `hpsv3`, an edited file
+            logger.warning(
+                "HPSv3 prompt template from %s (sha256 %s) is not the upstream one (sha256 %s), so scores may differ "
+                "from the published model's.", template.source, self.template_sha256[:SHORT_HASH],
+                UPSTREAM_TEMPLATE_SHA256[:SHORT_HASH],
+            )
 
     def head_scores(self, states: torch.Tensor) -> torch.Tensor:
         """``(B, 1, hidden)`` at the reward token -> float32 ``(B, 2)``: (mu, sigma)."""

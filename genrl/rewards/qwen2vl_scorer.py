@@ -12,11 +12,15 @@ media it was trained on (images or videos), its sources and options.
 - `load_reward_model`: checkpoint -> remapped, strictly loaded model with its head, built
   on the meta device without allocating the skeleton;
 - `build_scorer_reward`: the registry factory's common part (checks, cache key, one shared
-  model per load through `lifecycle`, one sentence when a Hub download fails).
+  model per load through `lifecycle`, one sentence when a Hub download fails);
+- `template_sha256`: which prompt template text a scorer uses, as a digest logged at load
+  (the text itself is read from its upstream source at run time, never copied here).
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
@@ -48,11 +52,19 @@ from genrl.rewards.qwen2vl_preprocess import (
     tokenize_right_padded,
 )
 
+logger = logging.getLogger(__name__)
+
 # media -> (config field of its pad token id, pixel keyword, grid keyword) of the Qwen2-VL forward
 MEDIA_INPUTS = {
     "image": ("image_token_id", "pixel_values", "image_grid_thw"),
     "video": ("video_token_id", "pixel_values_videos", "video_grid_thw"),
 }
+SHORT_HASH = 12  # hex digits of a template's sha256 shown in logs
+
+
+def template_sha256(text: str) -> str:
+    """Hex sha256 of a prompt template's UTF-8 text: names the text without holding it."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 class Qwen2VLScorer:
@@ -62,6 +74,7 @@ class Qwen2VLScorer:
     A subclass sets ``family`` (its name in messages) and ``media`` ("image" or "video": the
     placeholder and vision inputs its model was trained with), and writes :meth:`head_scores`.
     ``reward_token_ids`` are the ids the head is read at, in the order ``head_scores`` expects.
+    ``template_sha256`` names the template text in use; its first 12 hex digits are logged.
     """
 
     family = "Qwen2-VL"
@@ -89,6 +102,9 @@ class Qwen2VLScorer:
         pad_field, self._pixel_key, self._grid_key = MEDIA_INPUTS[self.media]
         self.media_token_id = getattr(model.config, pad_field)
         self.media_pad_token = tokenizer.convert_ids_to_tokens(self.media_token_id)
+        # The template comes from whatever source was found at run time: say which text it was.
+        self.template_sha256 = template_sha256(template.text)
+        logger.info("%s prompt template from %s: sha256 %s", self.family, template.source, self.template_sha256[:SHORT_HASH])
 
     def to(self, device: Union[str, torch.device]) -> "Qwen2VLScorer":
         lifecycle.move(self, device)
