@@ -1,5 +1,6 @@
 """HPSv3 scorer on a tiny Qwen2-VL: loading in every layout, score parity with the original forward."""
 
+import hashlib
 import os
 import sys
 
@@ -202,3 +203,25 @@ def test_top30_keeps_the_published_number_of_frames(frames, kept):
     scores = torch.arange(frames, dtype=torch.float32).flip(0).unsqueeze(0)  # frames - 1, ..., 0
     expected = torch.arange(frames - kept, frames, dtype=torch.float32).mean()
     torch.testing.assert_close(top_fraction_mean(scores), expected.unsqueeze(0))
+
+
+def test_template_hash_is_logged_exposed_and_a_non_upstream_template_warned(setup, tmp_path, caplog, monkeypatch):
+    from genrl.rewards import hpsv3
+
+    digest = hashlib.sha256(HPS_TEMPLATE.encode("utf-8")).hexdigest()
+    with caplog.at_level("INFO"):
+        scorer = load_hpsv3_scorer(setup["ckpt"], setup["base"], template_path=setup["template"], **FAST)
+    assert scorer.template_sha256 == digest
+    assert f"HPSv3 prompt template from {setup['template']}: sha256 {digest[:12]}" in caplog.text
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and f"(sha256 {digest[:12]}) is not the upstream one" in warned[0]
+    # Another template text: another hash. The upstream one: no warning.
+    other = write_json(str(tmp_path / "other.json"), {"template": HPS_TEMPLATE.replace("Judge", "Rate")})
+    monkeypatch.setattr(hpsv3, "UPSTREAM_TEMPLATE_SHA256", digest)
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        upstream = load_hpsv3_scorer(setup["ckpt"], setup["base"], template_path=setup["template"], **FAST)
+        forked = load_hpsv3_scorer(setup["ckpt"], setup["base"], template_path=other, **FAST)
+    assert upstream.template_sha256 == digest != forked.template_sha256
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and other in warned[0] and forked.template_sha256[:12] in warned[0]

@@ -73,7 +73,7 @@ def empty_cache():
     lifecycle.clear_reward_models()
 
 
-def reference_scores(model, tokenizer, frames, prompt, head_outputs=False):
+def reference_scores(model, tokenizer, frames, prompt, head_outputs=False, template=VA_TEMPLATE):
     """The original VideoAlign forward, written out for frames already chosen and sized:
     video pixel rows assembled from transformers' image processor (frame pairs fill the two
     temporal slots), the chat text by hand, merged video features scattered into the video
@@ -87,7 +87,7 @@ def reference_scores(model, tokenizer, frames, prompt, head_outputs=False):
     pixel_values = torch.cat([torch.cat(slices[i : i + 2], dim=2).reshape(gh * gw, -1) for i in range(0, len(slices), 2)])
     grid = torch.tensor([[len(frames) // 2, gh, gw]])
     pads = "<|video_pad|>" * (int(grid.prod()) // 4)
-    user = VA_TEMPLATE.replace("{text_prompt}", prompt)
+    user = template.replace("{text_prompt}", prompt)
     chat = f"<|im_start|>user\n<|vision_start|>{pads}<|vision_end|>{user}<|im_end|>\n<|im_start|>assistant\n"
     ids = torch.tensor([tokenizer(chat)["input_ids"]])
     with torch.no_grad():
@@ -243,3 +243,54 @@ def test_template_must_name_three_tokens(setup, tmp_path):
         va.load_videoalign_scorer(setup["ckpt"], template_path=bad)
     with open(os.path.join(setup["ckpt"], "model_config.json")) as f:
         assert json.load(f)["data_config"]["prompt_template_type"] == "detailed_special"
+
+
+# The tokens in another order than VA_TEMPLATE's (and upstream's): TA first.
+PERMUTED_TEMPLATE = "Fits <|TA_reward|> asked for: {text_prompt} looks <|VQ_reward|> moves <|MQ_reward|>\n"
+
+
+def _scores(out):
+    return torch.stack([out[d] for d in ("VQ", "MQ", "TA")], dim=1)
+
+
+def _step20_folder(setup, folder, tokenizer=None):
+    """A VideoReward folder with the un-adapted weights, optionally saved with its own tokenizer."""
+    folder.mkdir()
+    os.link(os.path.join(setup["ckpt"], "checkpoint-20", "model.pth"), str(folder / "model.pth"))
+    write_json(str(folder / "model_config.json"), _model_config(setup["base"]))
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(folder))
+    return str(folder)
+
+
+def test_reward_token_ids_follow_upstream_order_not_the_template(setup, tmp_path):
+    template = write_json(str(tmp_path / "permuted.json"), {"template": PERMUTED_TEMPLATE})
+    scorer = va.load_videoalign_scorer(setup["ckpt"], checkpoint_step=20, template_path=template, **FAST)
+    trained = setup["tokenizer"].convert_tokens_to_ids(list(TOKENS))  # the ids the embeddings were learned under
+    assert scorer.reward_token_ids == [scorer.tokenizer.convert_tokens_to_ids(t) for t in TOKENS] == trained
+    video = _videos(1, 4, seed=11)
+    got = _scores(scorer.rewards(video, ["p"], [16.0], use_norm=False))[0]
+    expected = reference_scores(setup["original"], setup["tokenizer"], video[0], "p", template=PERMUTED_TEMPLATE)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+def test_a_checkpoint_with_its_own_tokenizer_keeps_its_ids(setup, tmp_path):
+    own = make_tokenizer(TOKENS[::-1])  # TA, MQ, VQ: ids in the reverse of upstream's order
+    folder = _step20_folder(setup, tmp_path / "own", own)
+    scorer = va.load_videoalign_scorer(folder, template_path=os.path.join(setup["ckpt"], "prompt_template.json"), **FAST)
+    assert scorer.reward_token_ids == own.convert_tokens_to_ids(list(TOKENS)) != setup["tokenizer"].convert_tokens_to_ids(list(TOKENS))
+    video = _videos(1, 4, seed=12)
+    got = _scores(scorer.rewards(video, ["q"], [16.0], use_norm=False))[0]
+    torch.testing.assert_close(got, reference_scores(setup["original"], own, video[0], "q"), rtol=0, atol=1e-5)
+    upstream_ids = reference_scores(setup["original"], setup["tokenizer"], video[0], "q")
+    assert (got - upstream_ids).abs().max() > 1e-4  # the ids decide the scores
+
+
+def test_a_checkpoint_tokenizer_without_the_reward_tokens_is_refused(setup, tmp_path):
+    folder = _step20_folder(setup, tmp_path / "partial", make_tokenizer(TOKENS[:2]))
+    template = os.path.join(setup["ckpt"], "prompt_template.json")
+    with pytest.raises(ValueError, match=r"\['<\|TA_reward\|>'\] are not in the checkpoint's tokenizer in .*partial"):
+        va.load_videoalign_scorer(folder, template_path=template, **FAST)
+    other = write_json(str(tmp_path / "other.json"), {"template": "<|VQ|> <|MQ|> {text_prompt} <|TA|>"})
+    with pytest.raises(ValueError, match=r"three special tokens \['<\|VQ_reward\|>'.* names \['<\|VQ\|>'"):
+        va.load_videoalign_scorer(setup["ckpt"], template_path=other, **FAST)

@@ -15,7 +15,10 @@ Sources (defaults in brackets; local paths work offline, Hub ids need the networ
 - ``template_path``: the prompt template (json / text / the upstream prompt module); else a
   ``prompt_template.*`` file beside the checkpoint; else the installed ``hpsv3`` package's
   ``dataset/data_collator_qwen.py``, read as text (its ``INSTRUCTION`` +
-  ``prompt_with_special_token``). The template text is never copied into this repository.
+  ``prompt_with_special_token``). The template text is never copied into this repository;
+  the text used is logged at load as the first 12 hex digits of its sha256 (the full digest
+  is ``scorer.template_sha256``), with a warning when it is not the upstream template, so that
+  a fork installed under the name ``hpsv3`` or an edited template file does not pass silently.
 
 Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean of the best
 30 % of frames (images are one-frame videos). Both come from one forward pass.
@@ -23,51 +26,47 @@ Registry names: ``hpsv3`` = mean of the per-frame scores, ``hpsv3_top30`` = mean
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from genrl.errors import SetupError
-from genrl.rewards import lifecycle
-from genrl.rewards.layouts import prepare_images_tensor
-from genrl.rewards.qwen2vl_compat import (
-    BASE_FOLDER_PATTERNS,
-    alias_embed_tokens,
-    build_qwen2vl_model,
-    embedding_rows,
-    fetch_hub_file,
-    load_base_parts,
-    load_checkpoint_state_dict,
-    load_state_dict_strict,
-    normalize_qwen2vl_state_dict,
-    resolve_dtype,
-    resolve_folder,
-    reward_hidden_states,
-    reward_sources_error,
-    set_vocab_size,
-)
+from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS, fetch_hub_file, resolve_folder
 from genrl.rewards.qwen2vl_preprocess import (
     HPSV3_PIXELS,
     PromptTemplate,
     VisionSpec,
     add_special_tokens,
-    build_reward_texts,
     load_chat_template,
-    preprocess_clips,
     resolve_prompt_template,
-    token_positions,
-    tokenize_right_padded,
 )
+from genrl.rewards.qwen2vl_scorer import SHORT_HASH, Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_BASE_MODEL = "Qwen/Qwen2-VL-7B-Instruct"
 DEFAULT_CHECKPOINT_REPO = "MizzenAI/HPSv3"
 DEFAULT_CHECKPOINT_FILE = "HPSv3.safetensors"
 UPSTREAM_TEMPLATE = (("hpsv3", os.path.join("dataset", "data_collator_qwen.py")),)
 TEMPLATE_PARTS = ("INSTRUCTION", "prompt_with_special_token")
+# sha256 of the upstream template, INSTRUCTION + prompt_with_special_token as read from
+# hpsv3/dataset/data_collator_qwen.py of the authors' hpsv3 1.0.0 package (MizzenAI/HPSv3).
+# Only the digest is kept: the text stays upstream.
+UPSTREAM_TEMPLATE_SHA256 = "f6ee57479d4e9eee76b49c00dc962e1e696a5a2b3cc32cebd9b1fa76fe27502c"
 HPSV3_NAMES = ("hpsv3", "hpsv3_top30")
 TOP_FRACTION = 0.3
+HPSV3 = ScorerFamily(
+    family="HPSv3",
+    cache_name="hpsv3",
+    rewards=HPSV3_NAMES,
+    options=frozenset({"checkpoint", "base_model", "dtype", "template_path", "on_meta", "attn_implementation",
+                       "batch_size", "lora_alpha", "pixels"}),
+    # Not the batch size: loads that differ only there share one model.
+    cache_fields=("checkpoint", "base_model", "template_path", "attn_implementation", "lora_alpha", "pixels"),
+    sources={"checkpoint": f"{DEFAULT_CHECKPOINT_REPO}/{DEFAULT_CHECKPOINT_FILE}", "base_model": DEFAULT_BASE_MODEL},
+)
 
 
 def build_rank_head(hidden_size: int, dropout: float = 0.05) -> nn.Sequential:
@@ -93,9 +92,13 @@ def top_fraction_mean(scores: torch.Tensor, fraction: float = TOP_FRACTION) -> t
     return scores.topk(k, dim=1).values.mean(dim=1)
 
 
-class HPSv3Scorer:
-    """A loaded HPSv3 model with its tokenizer and template. ``.device`` is where the model is;
-    ``.to(device)`` moves both (and the lifecycle cache key) together."""
+class HPSv3Scorer(Qwen2VLScorer):
+    """A loaded HPSv3 model: images at exactly ``pixels`` pixels, the rank head read at the
+    template's one reward token. ``.device`` is where the model is; ``.to(device)`` moves both
+    (and the lifecycle cache key) together."""
+
+    family = "HPSv3"
+    media = "image"
 
     def __init__(
         self,
@@ -114,46 +117,27 @@ class HPSv3Scorer:
                 f"HPSv3 reads its score at one special token, but the template from {template.source} "
                 f"names {list(template.special_tokens)}."
             )
-        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
-        self.template, self.spec = template, spec
-        self.device = torch.device(device)
-        self.batch_size, self.pixels = int(batch_size), int(pixels)
         vocab = model.get_input_embeddings().weight.shape[0]
-        self.reward_token_id = add_special_tokens(tokenizer, template.special_tokens, vocab)[0]
-        self.image_pad_token = tokenizer.convert_ids_to_tokens(model.config.image_token_id)
+        token_ids = add_special_tokens(tokenizer, template.special_tokens, vocab)
+        super().__init__(
+            model, tokenizer, chat_template, template, spec, device,
+            reward_token_ids=token_ids, batch_size=batch_size, min_pixels=pixels, max_pixels=pixels,
+        )
+        self.pixels = int(pixels)
+        if self.template_sha256 != UPSTREAM_TEMPLATE_SHA256:  # e.g. a fork installed as `hpsv3`, an edited file
+            logger.warning(
+                "HPSv3 prompt template from %s (sha256 %s) is not the upstream one (sha256 %s), so scores may differ "
+                "from the published model's.", template.source, self.template_sha256[:SHORT_HASH],
+                UPSTREAM_TEMPLATE_SHA256[:SHORT_HASH],
+            )
 
-    def to(self, device: Union[str, torch.device]) -> "HPSv3Scorer":
-        lifecycle.move(self, device)
-        return self
+    def head_scores(self, states: torch.Tensor) -> torch.Tensor:
+        """``(B, 1, hidden)`` at the reward token -> float32 ``(B, 2)``: (mu, sigma)."""
+        return self.model.rm_head(states[:, 0].float())
 
-    @torch.no_grad()
     def score_images(self, images: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """uint8 ``(N, H, W, 3)`` images and N prompts -> float32 CPU ``(N, 2)``: (mu, sigma) per image."""
-        if len(images) != len(prompts):
-            raise ValueError(f"Got {len(images)} images for {len(prompts)} prompts.")
-        outputs = []
-        for start in range(0, len(images), self.batch_size):
-            chunk = images[start : start + self.batch_size]
-            chunk_prompts = prompts[start : start + self.batch_size]
-            vision = preprocess_clips(
-                chunk[:, None], self.spec, min_pixels=self.pixels, max_pixels=self.pixels, device=self.device
-            )
-            texts = build_reward_texts(
-                self.tokenizer, self.chat_template, self.template, chunk_prompts, "image",
-                self.image_pad_token, vision.num_tokens,
-            )
-            input_ids, attention_mask = tokenize_right_padded(
-                self.tokenizer, texts, forbidden_pad_ids=(self.model.config.image_token_id, self.reward_token_id)
-            )
-            positions = token_positions(input_ids, [self.reward_token_id])[:, 0]
-            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-            hidden = reward_hidden_states(
-                self.model, input_ids, attention_mask,
-                pixel_values=vision.pixel_values, image_grid_thw=vision.grid_thw,
-            )
-            read_out = hidden[torch.arange(len(chunk), device=self.device), positions.to(self.device)]
-            outputs.append(self.model.rm_head(read_out.float()).cpu())
-        return torch.cat(outputs)
+        return self.score_clips(images[:, None], prompts)
 
     def score_frames(self, clips: torch.Tensor, prompts: Sequence[str]) -> torch.Tensor:
         """uint8 ``(N, F, H, W, 3)`` -> float32 CPU ``(N, F)``: mu of every frame, scored as an image."""
@@ -190,18 +174,10 @@ def load_hpsv3_scorer(
         checkpoint = resolve_folder(checkpoint)
     checkpoint_folder = checkpoint if os.path.isdir(checkpoint) else os.path.dirname(checkpoint)
     template = resolve_prompt_template(template_path, [checkpoint_folder], UPSTREAM_TEMPLATE, TEMPLATE_PARTS)
-
-    state_dict = normalize_qwen2vl_state_dict(load_checkpoint_state_dict(checkpoint), lora_alpha=lora_alpha)
-    config, tokenizer = load_base_parts(base_folder)
-    set_vocab_size(config, embedding_rows(state_dict))
-    model = build_qwen2vl_model(config, on_meta=on_meta, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
-    with torch.device("meta" if on_meta else "cpu"):
-        model.rm_head = build_rank_head(model.config.get_text_config().hidden_size)
-    model.rm_head.eval().requires_grad_(False)
-    load_state_dict_strict(model, state_dict)
-    del state_dict
-    alias_embed_tokens(model)
-    model.to(device)
+    model, tokenizer = load_reward_model(
+        checkpoint, base_folder, build_rank_head, device=device, dtype=dtype, on_meta=on_meta,
+        attn_implementation=attn_implementation, lora_alpha=lora_alpha,
+    )
     return HPSv3Scorer(
         model, tokenizer, load_chat_template(tokenizer, base_folder), template,
         VisionSpec.from_folder(base_folder), device, batch_size=batch_size, pixels=pixels,
@@ -215,38 +191,9 @@ def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "
     (float32, CPU) from one forward pass; the registry reads the name it was asked for. The
     model is shared through `lifecycle` by every name and option set loading the same weights.
     """
-    if name not in HPSV3_NAMES:
-        raise ValueError(f"Unknown HPSv3 reward {name!r}; expected one of {HPSV3_NAMES}.")
-    unknown = set(options) - {"checkpoint", "base_model", "dtype", "template_path", "on_meta", "attn_implementation", "batch_size", "lora_alpha", "pixels"}
-    if unknown:
-        raise ValueError(f"Unknown HPSv3 options {sorted(unknown)}.")
-    key = _cache_key(options, device)
 
-    def build(dev: torch.device) -> HPSv3Scorer:
-        try:
-            return load_hpsv3_scorer(device=dev, **options)
-        except SetupError as error:  # a Hub download failed: say which sources and how to give local ones
-            sources = {
-                "checkpoint": options.get("checkpoint") or f"{DEFAULT_CHECKPOINT_REPO}/{DEFAULT_CHECKPOINT_FILE}",
-                "base_model": options.get("base_model") or DEFAULT_BASE_MODEL,
-            }
-            raise reward_sources_error(name, sources, error) from error
-
-    get_scorer = lifecycle.reward_model_handle("hpsv3", key, device, build)
-
-    def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
-        scorer = get_scorer()
-        if prompts is None:
-            raise ValueError("This reward scores images against their prompts; got prompts=None.")
-        clips = prepare_images_tensor(samples)
-        frame_scores = scorer.score_frames(clips, list(prompts))
+    def score(scorer: HPSv3Scorer, clips: torch.Tensor, prompts: list[str], metadata: Optional[Sequence[Mapping]]):
+        frame_scores = scorer.score_frames(clips, prompts)  # (N, F)
         return {"hpsv3": frame_scores.mean(dim=1), "hpsv3_top30": top_fraction_mean(frame_scores)}
 
-    return reward
-
-
-def _cache_key(options: Mapping[str, Any], device) -> str:
-    """What makes two loads the same model: weights, base, dtype, template (not the batch size)."""
-    fields = ("checkpoint", "base_model", "template_path", "attn_implementation", "lora_alpha", "pixels")
-    dtype = resolve_dtype(options.get("dtype"), device)
-    return "|".join(f"{f}={options.get(f)}" for f in fields) + f"|dtype={dtype}"
+    return build_scorer_reward(HPSV3, name, device, options, load_hpsv3_scorer, score)

@@ -351,13 +351,25 @@ def load_chat_template(tokenizer, folder: Optional[str]) -> str:
     raise ValueError(f"No chat template in the tokenizer or in {folder!r} (chat_template.jinja / chat_template.json).")
 
 
-def add_special_tokens(tokenizer, tokens: Sequence[str], vocab_size: int) -> list[int]:
-    """Add the reward tokens (as the original training code did) and return their ids, which
-    must fall inside the checkpoint's embedding table of ``vocab_size`` rows."""
+def add_special_tokens(
+    tokenizer, tokens: Sequence[str], vocab_size: int, *, add_missing: bool = True, source: str = "the tokenizer"
+) -> list[int]:
+    """The ids of the reward ``tokens``, which must fall inside the checkpoint's embedding table
+    of ``vocab_size`` rows and be named ``tokens`` by the tokenizer (``source`` in messages).
+
+    Missing tokens are added in the order given, as the original training code did; without
+    ``add_missing`` (a checkpoint's own tokenizer, whose ids the embeddings were trained with)
+    they must all be there already.
+    """
     missing = [t for t in tokens if t not in tokenizer.get_vocab()]
+    if missing and not add_missing:
+        raise ValueError(f"Reward tokens {missing} are not in {source}, so it is not the tokenizer this checkpoint was trained with.")
     if missing:
         tokenizer.add_tokens(list(missing), special_tokens=True)  # same call on transformers 4.x and 5.x
     ids = tokenizer.convert_tokens_to_ids(list(tokens))
+    names = [None if i is None else tokenizer.convert_ids_to_tokens(i) for i in ids]
+    if names != list(tokens):
+        raise ValueError(f"Reward tokens {list(tokens)} map to ids {ids}, which {source} names {names}.")
     if len(set(ids)) != len(ids):
         raise ValueError(f"Special reward tokens {list(tokens)} do not map to distinct ids ({ids}).")
     if max(ids) >= vocab_size:

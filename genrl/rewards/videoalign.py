@@ -1,9 +1,10 @@
 """VideoAlign / VideoReward (Qwen2-VL-2B + a linear reward head), on transformers >= 4.52.
 
-Model: Qwen2-VL with ``rm_head = Linear(hidden, 1, bias=False)`` read at the three special
-tokens of the prompt template, in the order they appear: visual quality (VQ), motion quality
-(MQ), text alignment (TA). The template puts the prompt after the VQ and MQ tokens, so with
-causal attention only TA depends on the prompt. The forward is the one VideoAlign was trained
+Model: Qwen2-VL with ``rm_head = Linear(hidden, 1, bias=False)`` read at three special
+tokens of the prompt template: ``<|VQ_reward|>`` for visual quality (VQ), ``<|MQ_reward|>``
+for motion quality (MQ), ``<|TA_reward|>`` for text alignment (TA), wherever the template
+puts them. The upstream template puts the prompt after the VQ and MQ tokens, so with causal
+attention only TA depends on the prompt. The forward is the one VideoAlign was trained
 with (`qwen2vl_compat.reward_hidden_states`). Scores are normalised per dimension,
 ``(r - mean) / std``, and ``Overall = VQ + MQ + TA`` (normalised).
 
@@ -16,6 +17,11 @@ Sources (defaults in brackets):
   new or PEFT layout.
 - ``base_model``: config, tokenizer and chat template [``model_config.model_name_or_path``,
   else ``Qwen/Qwen2-VL-2B-Instruct``; only json/tokenizer files are fetched].
+- reward token ids: the embedding rows of the three tokens were learned under the ids
+  VideoAlign's tokenizer gave them. When the checkpoint has its own tokenizer (tokenizer
+  files in ``checkpoint-<step>`` or beside ``model_config.json``), it is used and must hold
+  the three tokens; else they are added to the base tokenizer in VideoAlign's fixed order
+  VQ, MQ, TA, as its training code did (never in the order a template mentions them).
 - ``template_path``: the prompt template (json / text / VideoAlign's ``prompt_template.py``);
   else a ``prompt_template.*`` file in the checkpoint folder; else an importable
   ``prompt_template`` module (the VideoAlign repository on ``sys.path``), read as text.
@@ -48,43 +54,24 @@ import math
 import os
 import re
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from genrl.errors import SetupError
-from genrl.rewards import lifecycle
 from genrl.rewards.frame_selection import select_frame_indices
-from genrl.rewards.layouts import prepare_images_tensor
-from genrl.rewards.qwen2vl_compat import (
-    BASE_FOLDER_PATTERNS,
-    alias_embed_tokens,
-    build_qwen2vl_model,
-    embedding_rows,
-    load_base_parts,
-    load_checkpoint_state_dict,
-    load_state_dict_strict,
-    normalize_qwen2vl_state_dict,
-    resolve_dtype,
-    resolve_folder,
-    reward_hidden_states,
-    reward_sources_error,
-    set_vocab_size,
-)
+from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS, resolve_folder
 from genrl.rewards.qwen2vl_preprocess import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
     PromptTemplate,
     VisionSpec,
     add_special_tokens,
-    build_reward_texts,
     load_chat_template,
-    preprocess_clips,
     resolve_prompt_template,
-    token_positions,
-    tokenize_right_padded,
 )
+from genrl.rewards.qwen2vl_scorer import Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +82,19 @@ TEMPLATE_CONSTANTS = {"detailed_special": ("DETAILED_PROMPT_WITH_SPECIAL_TOKEN",
 DIMENSIONS = ("VQ", "MQ", "TA")
 VIDEOALIGN_NAMES = {"videoalign_vq": "VQ", "videoalign_mq": "MQ", "videoalign_ta": "TA", "videoalign_overall": "Overall"}
 DEFAULT_VIDEO_FPS = 16.0
+REWARD_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")  # one per DIMENSIONS, in upstream's order
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json")
+VIDEOALIGN = ScorerFamily(
+    family="VideoAlign",
+    cache_name="videoalign",
+    rewards=tuple(VIDEOALIGN_NAMES),
+    options=frozenset({"checkpoint", "base_model", "dtype", "template_path", "checkpoint_step", "on_meta",
+                       "attn_implementation", "batch_size", "video_fps", "lora_alpha", "min_pixels", "max_pixels",
+                       "use_norm"}),
+    cache_fields=("checkpoint", "base_model", "checkpoint_step", "template_path", "attn_implementation", "lora_alpha",
+                  "min_pixels", "max_pixels", "video_fps", "batch_size"),
+    sources={"checkpoint": DEFAULT_CHECKPOINT_REPO, "base_model": DEFAULT_BASE_MODEL},
+)
 
 
 @dataclass
@@ -166,6 +166,14 @@ def find_checkpoint(path: str, step: Optional[int] = None) -> tuple[str, str]:
     return path, path
 
 
+def find_tokenizer_folder(folders: Sequence[str]) -> Optional[str]:
+    """The first of ``folders`` holding tokenizer files (a checkpoint saved with its tokenizer), or None."""
+    for folder in folders:
+        if any(os.path.isfile(os.path.join(folder, name)) for name in TOKENIZER_FILES):
+            return folder
+    return None
+
+
 def normalize_scores(raw: torch.Tensor, norm: Optional[Mapping[str, tuple[float, float]]]) -> torch.Tensor:
     """``(N, 3)`` raw (VQ, MQ, TA) -> ``(r - mean_d) / std_d`` per dimension d (unchanged without stats)."""
     if norm is None:
@@ -175,9 +183,22 @@ def normalize_scores(raw: torch.Tensor, norm: Optional[Mapping[str, tuple[float,
     return (raw - mean) / std
 
 
-class VideoAlignScorer:
-    """A loaded VideoAlign model with its tokenizer, template and config. ``.device`` is where
-    the model is; ``.to(device)`` moves both (and the lifecycle cache key) together."""
+def linear_head(hidden_size: int, output_dim: int = 1) -> nn.Linear:
+    """VideoAlign's head (key ``rm_head.weight``): ``Linear(hidden, output_dim, bias=False)``.
+
+    Kept in float32 whatever the model dtype (VideoAlign ran it in bf16; float32 loses nothing)."""
+    return nn.Linear(hidden_size, output_dim, bias=False, dtype=torch.float32)
+
+
+class VideoAlignScorer(Qwen2VLScorer):
+    """A loaded VideoAlign model with its tokenizer, template and config: selected frames of a
+    video between ``min_pixels`` and ``max_pixels`` each, the linear head read at the VQ, MQ
+    and TA tokens. ``.device`` is where the model is; ``.to(device)`` moves both (and the
+    lifecycle cache key) together. ``tokenizer_source``: the checkpoint folder ``tokenizer``
+    came from, which must hold the reward tokens (none are added to a checkpoint's own)."""
+
+    family = "VideoAlign"
+    media = "video"
 
     def __init__(
         self,
@@ -193,27 +214,25 @@ class VideoAlignScorer:
         min_pixels: int = VIDEO_MIN_PIXELS,
         max_pixels: Optional[int] = None,
         video_fps: float = DEFAULT_VIDEO_FPS,
+        tokenizer_source: Optional[str] = None,
     ):
-        if len(template.special_tokens) != 3:
+        if sorted(template.special_tokens) != sorted(REWARD_TOKENS):
             raise ValueError(
-                f"VideoAlign reads VQ, MQ and TA at three special tokens, but the template from "
-                f"{template.source} names {list(template.special_tokens)}."
+                f"VideoAlign reads VQ, MQ and TA at three special tokens {list(REWARD_TOKENS)}, but the template "
+                f"from {template.source} names {list(template.special_tokens)}."
             )
         if config.output_dim not in (1, 3):
             raise ValueError(f"VideoAlign output_dim must be 1 or 3, got {config.output_dim}.")
-        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
-        self.template, self.spec, self.config = template, spec, config
-        self.device = torch.device(device)
-        self.batch_size, self.video_fps = int(batch_size), float(video_fps)
-        self.min_pixels = int(min_pixels)
-        self.max_pixels = int(max_pixels if max_pixels is not None else config.max_frame_pixels)
         vocab = model.get_input_embeddings().weight.shape[0]
-        self.reward_token_ids = add_special_tokens(tokenizer, template.special_tokens, vocab)
-        self.video_pad_token = tokenizer.convert_ids_to_tokens(model.config.video_token_id)
-
-    def to(self, device: Union[str, torch.device]) -> "VideoAlignScorer":
-        lifecycle.move(self, device)
-        return self
+        source = f"the checkpoint's tokenizer in {tokenizer_source}" if tokenizer_source else "the base tokenizer"
+        # In upstream's order, whatever the template's: a token's id picks its learned embedding row.
+        token_ids = add_special_tokens(tokenizer, REWARD_TOKENS, vocab, add_missing=tokenizer_source is None, source=source)
+        logger.info("VideoAlign reads VQ, MQ, TA at token ids %s of %s.", token_ids, source)
+        super().__init__(
+            model, tokenizer, chat_template, template, spec, device, reward_token_ids=token_ids, batch_size=batch_size,
+            min_pixels=min_pixels, max_pixels=max_pixels if max_pixels is not None else config.max_frame_pixels,
+        )
+        self.config, self.video_fps = config, float(video_fps)
 
     def select_frames(self, clip: torch.Tensor, fps: float) -> torch.Tensor:
         """``(F, H, W, 3)`` -> the frames VideoAlign samples (``sample_type``, ``fps``, ``num_frames``)."""
@@ -222,33 +241,10 @@ class VideoAlignScorer:
         )
         return clip[torch.as_tensor(indices, dtype=torch.long)]
 
-    @torch.no_grad()
-    def score_clips(self, clips: Sequence[torch.Tensor], prompts: Sequence[str]) -> torch.Tensor:
-        """Already-selected frames, uint8 ``(F_i, H, W, 3)`` per sample -> raw float32 CPU ``(N, 3)`` (VQ, MQ, TA)."""
-        if len(clips) != len(prompts):
-            raise ValueError(f"Got {len(clips)} videos for {len(prompts)} prompts.")
-        outputs = []
-        for start in range(0, len(clips), self.batch_size):
-            chunk, chunk_prompts = clips[start : start + self.batch_size], prompts[start : start + self.batch_size]
-            vision = preprocess_clips(chunk, self.spec, min_pixels=self.min_pixels, max_pixels=self.max_pixels, device=self.device)
-            texts = build_reward_texts(
-                self.tokenizer, self.chat_template, self.template, chunk_prompts, "video",
-                self.video_pad_token, vision.num_tokens,
-            )
-            input_ids, attention_mask = tokenize_right_padded(
-                self.tokenizer, texts, forbidden_pad_ids=(self.model.config.video_token_id, *self.reward_token_ids)
-            )
-            positions = token_positions(input_ids, self.reward_token_ids).to(self.device)  # (B, 3)
-            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-            hidden = reward_hidden_states(
-                self.model, input_ids, attention_mask,
-                pixel_values_videos=vision.pixel_values, video_grid_thw=vision.grid_thw,
-            )
-            read_out = hidden[torch.arange(len(chunk), device=self.device)[:, None], positions]  # (B, 3, hidden)
-            logits = self.model.rm_head(read_out.float())  # float32 head: (B, 3, output_dim)
-            scores = logits[..., 0] if self.config.output_dim == 1 else logits.diagonal(dim1=1, dim2=2)
-            outputs.append(scores.cpu())
-        return torch.cat(outputs)
+    def head_scores(self, states: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, hidden)`` at the VQ, MQ, TA tokens -> raw float32 ``(B, 3)`` (VQ, MQ, TA)."""
+        logits = self.model.rm_head(states.float())  # float32 head: (B, 3, output_dim)
+        return logits[..., 0] if self.config.output_dim == 1 else logits.diagonal(dim1=1, dim2=2)
 
     def rewards(
         self, clips: torch.Tensor, prompts: Sequence[str], fps: Sequence[float], *, use_norm: bool = True
@@ -303,34 +299,23 @@ def load_videoalign_scorer(
         )
     folders = [root] + ([weights] if os.path.isdir(weights) else [os.path.dirname(weights)])
     template = resolve_prompt_template(template_path, folders, UPSTREAM_TEMPLATE, parts or ())
+    own_tokenizer = find_tokenizer_folder(folders[::-1])  # the step's own first, then the run's
 
     alpha = lora_alpha if lora_alpha is not None else config.lora_alpha
     if alpha is not None and config.use_rslora and config.lora_r:
         alpha = alpha * math.sqrt(config.lora_r)  # rsLoRA scales by alpha / sqrt(r) = (alpha sqrt(r)) / r
-    state_dict = normalize_qwen2vl_state_dict(load_checkpoint_state_dict(weights), lora_alpha=alpha, lora_r=config.lora_r)
-    qwen_config, tokenizer = load_base_parts(base_folder)
-    set_vocab_size(qwen_config, embedding_rows(state_dict))
-    model = build_qwen2vl_model(qwen_config, on_meta=on_meta, dtype=resolve_dtype(dtype, device), attn_implementation=attn_implementation)
-    with torch.device("meta" if on_meta else "cpu"):
-        # Kept in float32 whatever the model dtype (VideoAlign ran it in bf16; float32 loses nothing).
-        model.rm_head = nn.Linear(model.config.get_text_config().hidden_size, config.output_dim, bias=False, dtype=torch.float32)
-    load_state_dict_strict(model, state_dict)
-    del state_dict
-    model.rm_head.eval().requires_grad_(False)
-    alias_embed_tokens(model)
-    model.to(device)
+    model, tokenizer = load_reward_model(
+        weights, base_folder, partial(linear_head, output_dim=config.output_dim), device=device, dtype=dtype,
+        on_meta=on_meta, attn_implementation=attn_implementation, lora_alpha=alpha, lora_r=config.lora_r,
+        tokenizer_folder=own_tokenizer,
+    )
     if config.norm is None:
         logger.warning("VideoAlign: no normalisation statistics in %s/model_config.json; scores are raw.", root)
     return VideoAlignScorer(
         model, tokenizer, load_chat_template(tokenizer, base_folder), template, VisionSpec.from_folder(base_folder),
         config, device, batch_size=batch_size, min_pixels=min_pixels, max_pixels=max_pixels, video_fps=video_fps,
+        tokenizer_source=own_tokenizer,
     )
-
-
-_OPTIONS = {
-    "checkpoint", "base_model", "dtype", "template_path", "checkpoint_step", "on_meta", "attn_implementation",
-    "batch_size", "video_fps", "lora_alpha", "min_pixels", "max_pixels", "use_norm",
-}
 
 
 def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str, torch.device] = "cpu", **options: Any):
@@ -341,41 +326,11 @@ def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str,
     float32 on the CPU, from one forward pass; the registry reads the name it was asked for,
     and every name shares one model through `lifecycle`.
     """
-    if name not in VIDEOALIGN_NAMES:
-        raise ValueError(f"Unknown VideoAlign reward {name!r}; expected one of {sorted(VIDEOALIGN_NAMES)}.")
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(f"Unknown VideoAlign options {sorted(unknown)}; accepted: {sorted(_OPTIONS)}.")
-    use_norm = bool(options.pop("use_norm", True))
-    key = _cache_key(options, device)
+    use_norm = bool(options.pop("use_norm", True))  # how scores are read, not which model: not a load option
 
-    def build(dev: torch.device) -> VideoAlignScorer:
-        try:
-            return load_videoalign_scorer(device=dev, **options)
-        except SetupError as error:  # a Hub download failed: say which sources and how to give local ones
-            sources = {
-                "checkpoint": options.get("checkpoint") or DEFAULT_CHECKPOINT_REPO,
-                "base_model": options.get("base_model") or DEFAULT_BASE_MODEL,
-            }
-            raise reward_sources_error(name, sources, error) from error
-
-    get_scorer = lifecycle.reward_model_handle("videoalign", key, device, build)
-
-    def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
-        scorer = get_scorer()
-        if prompts is None:
-            raise ValueError("This reward scores images against their prompts; got prompts=None.")
-        clips = prepare_images_tensor(samples)
+    def score(scorer: VideoAlignScorer, clips: torch.Tensor, prompts: list[str], metadata: Optional[Sequence[Mapping]]):
         fps = [float((m or {}).get("fps") or scorer.video_fps) for m in (metadata or [None] * len(clips))]
-        scores = scorer.rewards(clips, list(prompts), fps, use_norm=use_norm)
+        scores = scorer.rewards(clips, prompts, fps, use_norm=use_norm)
         return {registry_name: scores[dim] for registry_name, dim in VIDEOALIGN_NAMES.items()}
 
-    return reward
-
-
-def _cache_key(options: Mapping[str, Any], device) -> str:
-    """What makes two loads the same model: weights, base, step, dtype, template, pixel bounds."""
-    fields = ("checkpoint", "base_model", "checkpoint_step", "template_path", "attn_implementation", "lora_alpha",
-              "min_pixels", "max_pixels", "video_fps", "batch_size")
-    dtype = resolve_dtype(options.get("dtype"), device)
-    return "|".join(f"{f}={options.get(f)}" for f in fields) + f"|dtype={dtype}"
+    return build_scorer_reward(VIDEOALIGN, name, device, options, load_videoalign_scorer, score)
