@@ -27,6 +27,7 @@ from accelerate.logging import get_logger
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, zero_init_disabled
+from genrl.errors import find_setup_error
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
@@ -240,5 +241,18 @@ def main(args):
     accelerator.end_training()
 
 
+def run(argv=None) -> None:
+    """The command line: a problem the user fixes with one change (a model that cannot be
+    fetched, more processes than GPUs) ends in its one sentence and exit status 1."""
+    args = parse_args(argv)
+    try:
+        main(args)
+    except Exception as error:
+        reason = find_setup_error(error)
+        if reason is None:
+            raise
+        raise SystemExit(f"eval_genrl.py: error: {reason}") from None
+
+
 if __name__ == "__main__":
-    main(parse_args())
+    run()

@@ -16,6 +16,22 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
+from genrl.errors import SetupError
+
+
+def gpu_shortage(local_processes: int, gpus: int) -> str | None:
+    """The sentence for more processes on this machine than visible GPUs, else None.
+
+    NCCL needs one GPU per process: two ranks on one GPU fail deep inside NCCL ("invalid
+    usage"). With no GPU at all the scripts use gloo on the CPU, so 0 GPUs is fine."""
+    if gpus == 0 or local_processes <= gpus:
+        return None
+    return (
+        f"{local_processes} processes were launched on this machine but only {gpus} GPU(s) are visible, and NCCL needs "
+        f"one GPU per process: launch with --num_processes {gpus}, or hide the GPUs (CUDA_VISIBLE_DEVICES=) to run "
+        f"every process on the CPU with gloo."
+    )
+
 
 def build_accelerator(
     *,
@@ -35,6 +51,10 @@ def build_accelerator(
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
     cpu_only = launched and not torch.cuda.is_available()
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    shortage = gpu_shortage(local_processes, torch.cuda.device_count()) if launched else None
+    if shortage:
+        raise SetupError(shortage)
     group = {"backend": "gloo"} if cpu_only else {}
     if collective_timeout_s:
         group["timeout"] = timedelta(seconds=collective_timeout_s)

@@ -37,7 +37,12 @@ def launch_command(script: str, args: list[str], config: str | None = None, num_
     path = os.path.join(ROOT, script)
     if config is None:
         return [sys.executable, path, *args]
-    return [
+    # Fewer GPUs than processes (e.g. a 1-GPU machine): run them all on the CPU with gloo,
+    # as the scripts would otherwise refuse (NCCL needs one GPU per process).
+    import torch
+
+    hide_gpus = ["env", "CUDA_VISIBLE_DEVICES="] if torch.cuda.device_count() < num_processes else []
+    return hide_gpus + [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"),
         "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
