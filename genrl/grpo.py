@@ -5,6 +5,44 @@ from __future__ import annotations
 import torch
 
 
+def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, *([1] * (like.ndim - 1)))
+
+
+def guarded_log_ratio(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    mean: torch.Tensor,
+    old_mean: torch.Tensor,
+    std: torch.Tensor,
+) -> torch.Tensor:
+    """GRPO-Guard's normalised log-ratio of one Gaussian SDE step (Wang et al. 2025, "GRPO-Guard:
+    Mitigating Implicit Over-Optimization in Flow Matching via Regulated Clipping", arXiv:2510.22319),
+    ``(B,)`` float32.
+
+    With s the step's std and logp the mean over dims of log N(x'; mu, s^2):
+
+        logp - logp_old = mean((x' - mu_old)^2 - (x' - mu)^2) / (2 s^2)
+                        = mean((mu - mu_old) eps) / s - mean((mu - mu_old)^2) / (2 s^2),  x' = mu_old + s eps
+
+    The second term is never positive: the plain ratio is biased below 1, more so at the
+    low-noise steps (small s), so clipping acts unevenly over the timesteps. GRPO-Guard removes
+    the bias and rescales by s, which also evens out the gradient across timesteps:
+
+        log r = s (logp - logp_old) + mean((mu - mu_old)^2) / (2 s) = mean((mu - mu_old) eps)
+
+    ``log_prob`` and ``mean`` ``(B, ...)`` carry the gradient; ``old_log_prob`` ``(B,)``,
+    ``old_mean`` (the rollout's) and ``std`` ``(B,)`` are constants. A deterministic step (s = 0)
+    has log r = 0.
+    """
+    s = std.detach().float()
+    safe = s.clamp_min(1e-12)
+    drift = (mean.float() - old_mean.detach().float()) ** 2
+    bias = drift.mean(dim=tuple(range(1, drift.ndim))) / (2 * safe)
+    log_ratio = s * (log_prob.float() - old_log_prob.detach().float()) + bias
+    return torch.where(s > 0, log_ratio, torch.zeros_like(log_ratio))
+
+
 def grpo_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -12,17 +50,19 @@ def grpo_loss(
     clip_range: float,
     kl: torch.Tensor | None = None,
     beta: float = 0.0,
+    log_ratio: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-ratio loss for one trained timestep of B samples, in float32.
 
-    ratio = exp(logp - logp_old)
+    ratio = exp(logp - logp_old)      (or exp(log_ratio) when given: GRPO-Guard's)
     L = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))) + beta mean(kl)
 
     ``log_prob`` (B,) carries the gradient; ``old_log_prob`` (B,) (from the rollout),
     ``advantages`` (B,) are constants. ``kl`` (B,) is the per-sample KL to the reference.
+    ``log_ratio`` (B,), with gradient, replaces logp - logp_old (``guarded_log_ratio``).
 
     Stats (detached float32 scalars): ``policy_loss``, ``kl`` (when given),
-    ``approx_kl`` = 0.5 mean((logp - logp_old)^2), ``clipfrac`` (|ratio - 1| > eps),
+    ``approx_kl`` = 0.5 mean(log(ratio)^2), ``clipfrac`` (|ratio - 1| > eps),
     ``clipfrac_high`` (ratio > 1 + eps), ``clipfrac_low`` (ratio < 1 - eps),
     ``ratio_mean``, ``ratio_min``, ``ratio_max``, ``adv_abs_mean``.
     """
@@ -33,13 +73,15 @@ def grpo_loss(
             f"log_prob, old_log_prob and advantages must all be (B,), got {tuple(log_prob.shape)}, "
             f"{tuple(old_log_prob.shape)} and {tuple(advantages.shape)}."
         )
+    if log_ratio is not None and log_ratio.shape != log_prob.shape:
+        raise ValueError(f"log_ratio must be (B,) like log_prob {tuple(log_prob.shape)}, got {tuple(log_ratio.shape)}.")
     if beta != 0 and kl is None:
         raise ValueError(f"beta={beta} weights a KL term, but no kl was given; pass kl or set beta to 0.")
 
     log_prob = log_prob.float()
     old = old_log_prob.detach().float()
     adv = advantages.detach().float()
-    delta = log_prob - old
+    delta = log_prob - old if log_ratio is None else log_ratio.float()
     ratio = torch.exp(delta)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)

@@ -65,6 +65,8 @@ class Rollout:
     """Recorded trajectories of B samples, S stochastic steps each (the same S for all).
 
     latents, next_latents: ``(B, S, ...)`` float32, the state before / after each recorded step.
+    means: ``(B, S, ...)`` float32, the sampling policy's SDE mean of each recorded step (for
+        GRPO-Guard's ratio normalisation, ``genrl.grpo.guarded_log_ratio``).
     timesteps, sigmas, sigmas_next, log_probs: ``(B, S)`` float32.
     step_indices: ``(B, S)`` long, which denoising step each record is.
     sigma_max: the schedule's second sigma (see ``genrl.sde.flow_sde_std``).
@@ -85,6 +87,7 @@ class Rollout:
     log_probs: torch.Tensor
     step_indices: torch.Tensor
     sigma_max: float
+    means: torch.Tensor | None = None
     embeds: dict[str, torch.Tensor] = field(default_factory=dict)
     final_latents: torch.Tensor | None = None
     samples: torch.Tensor | None = None
@@ -190,7 +193,7 @@ def sample_rollout(
             next_latents[rows] = out.next_sample
             if is_stochastic:
                 for j, r in enumerate(rows):
-                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j]))
+                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j], out.mean[j]))
         latents = next_latents
 
     # Decoded one sample at a time (bounded VAE memory, batch-independent), straight to the CPU.
@@ -208,19 +211,20 @@ def sample_rollout(
 def _stack_records(
     records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples
 ) -> Rollout:
-    """Per-sample lists of (latents, next_latents, step, log_prob) -> batch-first tensors."""
+    """Per-sample lists of (latents, next_latents, step, log_prob, mean) -> batch-first tensors."""
     counts = {len(r) for r in records}
     if len(counts) != 1:
         raise RuntimeError(f"Samples recorded different numbers of stochastic steps: {sorted(counts)}.")
     device = timesteps.device
     steps = torch.tensor([[rec[2] for rec in r] for r in records], dtype=torch.long, device=device)
     if counts == {0}:  # deterministic sampling: nothing to train on, shapes kept consistent
-        latents = next_latents = torch.empty(len(records), 0, *state_shape, device=device)
+        latents = next_latents = means = torch.empty(len(records), 0, *state_shape, device=device)
         log_probs = torch.empty(len(records), 0, device=device)
     else:
         latents = torch.stack([torch.stack([rec[0] for rec in r]) for r in records])
         next_latents = torch.stack([torch.stack([rec[1] for rec in r]) for r in records])
         log_probs = torch.stack([torch.stack([rec[3] for rec in r]) for r in records])
+        means = torch.stack([torch.stack([rec[4] for rec in r]) for r in records])
     return Rollout(
         prompts=list(prompts),
         group_indices=list(group_indices),
@@ -232,6 +236,7 @@ def _stack_records(
         log_probs=log_probs,
         step_indices=steps.reshape(len(records), -1),
         sigma_max=sigma_max,
+        means=means,
         embeds=embeds,
         samples=samples,
     )
@@ -298,7 +303,7 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             joined[f.name] = [v for value in values for v in value]
         elif f.name == "embeds":
             joined[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
-        elif f.name in ("samples", "final_latents"):
+        elif f.name in ("samples", "final_latents", "means"):
             joined[f.name] = None if values[0] is None else torch.cat(values)
         elif f.name == "decode_seconds":
             joined[f.name] = sum(values)

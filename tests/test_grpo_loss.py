@@ -121,3 +121,57 @@ def test_select_train_timesteps_in_order_and_deterministic():
     c = select_train_timesteps(4, 10, 0.6, torch.Generator().manual_seed(6))
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+
+
+def _sde_transition(batch=3, dims=(4, 2, 2), seed=0):
+    """x' drawn around the old mean; the current mean moved by d; s per sample."""
+    from genrl.sde import gaussian_log_prob
+
+    g = torch.Generator().manual_seed(seed)
+    old_mean = torch.randn(batch, *dims, generator=g)
+    eps = torch.randn(batch, *dims, generator=g)
+    d = 0.05 * torch.randn(batch, *dims, generator=g)
+    std = torch.tensor([0.3, 0.05, 0.01])[:batch]
+    x_next = old_mean + std.reshape(-1, 1, 1, 1) * eps
+    mean = (old_mean + d).requires_grad_(True)
+    return gaussian_log_prob(x_next, mean, std), gaussian_log_prob(x_next, old_mean, std), mean, old_mean, std, eps, d
+
+
+def test_guarded_log_ratio_is_the_drift_along_the_drawn_noise():
+    """s (logp - logp_old) + mean(d^2) / (2 s) = mean(d eps), by hand: the bias term is gone."""
+    from genrl.grpo import guarded_log_ratio
+
+    log_prob, old, mean, old_mean, std, eps, d = _sde_transition()
+    guarded = guarded_log_ratio(log_prob, old, mean, old_mean, std)
+    expected = (d * eps).mean(dim=(1, 2, 3))
+    torch.testing.assert_close(guarded, expected, rtol=1e-4, atol=1e-5)
+    # The plain log-ratio carries -mean(d^2) / (2 s^2): biased low, most at the smallest s.
+    plain = (log_prob - old).detach()
+    bias = plain - expected / std
+    torch.testing.assert_close(bias, -(d**2).mean(dim=(1, 2, 3)) / (2 * std**2), rtol=1e-3, atol=1e-4)
+    assert bias[2] < bias[1] < bias[0] < 0
+    # Its gradient in the mean is eps / D whatever s (per-timestep reweighting): no 1/s blow-up.
+    guarded.sum().backward()
+    torch.testing.assert_close(mean.grad, eps / 16, rtol=1e-4, atol=1e-6)
+
+
+def test_guarded_log_ratio_is_zero_on_policy_and_on_deterministic_steps():
+    from genrl.grpo import guarded_log_ratio
+
+    log_prob, _, mean, old_mean, std, _, _ = _sde_transition()
+    on_policy = guarded_log_ratio(log_prob, log_prob.detach(), old_mean, old_mean, std)
+    assert on_policy.abs().max() < 1e-6
+    zero_std = guarded_log_ratio(log_prob, log_prob.detach() - 1, mean, old_mean, torch.zeros(3))
+    assert torch.equal(zero_std, torch.zeros(3))
+
+
+def test_grpo_loss_uses_the_given_log_ratio():
+    old = torch.zeros(3)
+    log_ratio = torch.log(torch.tensor([1.5, 0.5, 1.0]))
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss, stats = grpo_loss(torch.zeros(3), old, adv, clip_range=CLIP, log_ratio=log_ratio)
+    # max(-A r, -A clip(r)): -1.2, 0.8 (clipped at 0.8), -2.0.
+    assert loss.item() == pytest.approx((-1.2 + 0.8 - 2.0) / 3)
+    assert stats["ratio_max"].item() == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="log_ratio must be"):
+        grpo_loss(torch.zeros(3), old, adv, clip_range=CLIP, log_ratio=torch.zeros(2))

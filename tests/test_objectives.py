@@ -143,3 +143,24 @@ def test_grpo_step_loss_ratio_is_one_on_the_recorded_transitions(policies):
     assert stats["ratio_max"].item() == pytest.approx(1.0, abs=1e-4)
     assert stats["ratio_min"].item() == pytest.approx(1.0, abs=1e-4)
     assert loss.item() == pytest.approx(-3.0, rel=1e-3)  # -mean(A * ratio) over samples 3 and 1
+
+
+def test_guarded_grpo_step_is_on_policy_and_moves_with_the_recorded_means(policies):
+    """GRPO-Guard's ratio is exactly 1 on the rollout's own transitions (recorded means kept
+    through index/concat), and drops off 1 when the recorded means are not the policy's."""
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)
+    joined = concat_rollouts([index_rollout(rollout, [2, 3]), index_rollout(rollout, [0, 1])])
+    assert joined.means.shape == joined.latents.shape
+    idx, steps, adv = torch.tensor([0, 3]), torch.tensor([1, 0]), torch.tensor([1.0, 2.0, 3.0, 4.0])
+    _, stats = grpo_step_loss(policy, policy.transformer, joined, idx, steps, adv, config=config, clip_range=1e-3,
+                              guard=True)
+    assert stats["ratio_min"].item() == pytest.approx(1.0, abs=1e-5)
+    assert stats["ratio_max"].item() == pytest.approx(1.0, abs=1e-5)
+    joined.means = joined.means + 0.1 * torch.randn_like(joined.means)
+    _, moved = grpo_step_loss(policy, policy.transformer, joined, idx, steps, adv, config=config, clip_range=1e-3,
+                              guard=True)
+    assert abs(moved["ratio_mean"].item() - 1.0) > 1e-3
+    joined.means = None
+    with pytest.raises(ValueError, match="GRPO-Guard's ratio needs the rollout's recorded SDE means"):
+        grpo_step_loss(policy, policy.transformer, joined, idx, steps, adv, config=config, clip_range=1e-3, guard=True)
