@@ -1,9 +1,11 @@
-"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline.
+"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline, for
+tests and benchmarks (training does not use them: the trainer's no-argument run uses the
+shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
 They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` objects with
 the same components as the published models, shrunk to a few hundred thousand parameters,
-so that tests and the trainer's no-argument default run exercise the exact code paths of
-the full-size models on a CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
+so that tests and benchmarks exercise the exact code paths of the full-size models on a
+CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
 split on whitespace and punctuation; other words map to ``<unk>``), built in memory.
 
 ``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
