@@ -42,7 +42,6 @@ from diffusers import (  # noqa: E402
     StableDiffusion3Pipeline,
 )
 from diffusers.models.attention_processor import JointAttnProcessor2_0  # noqa: E402
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors  # noqa: E402
 from transformers import (  # noqa: E402
     CLIPTextConfig,
     CLIPTextModelWithProjection,
@@ -60,6 +59,7 @@ from genrl.toy_scenes import (  # noqa: E402
     sample_scene,
     vocabulary,
 )
+from genrl.word_tokenizer import word_level_tokenizer  # noqa: E402
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
@@ -109,22 +109,10 @@ def build_tokenizer(max_length: int, stand_in_t5: bool = False) -> PreTrainedTok
     and adds no special tokens, so a prompt always fits ``max_sequence_length`` >= 1 (the
     pipeline then never warns about truncation); the zero T5 ignores the ids anyway.
     """
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(vocabulary()))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    if not stand_in_t5:
-        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<bos> $A <eos>", special_tokens=[("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=max_length,
-    )
+    vocab = SPECIAL_TOKENS + tuple(vocabulary())
+    if stand_in_t5:
+        return word_level_tokenizer(vocab, max_length, template=None, split_words=False)
+    return word_level_tokenizer(vocab, max_length)
 
 
 def build_text_encoder(tokenizer: PreTrainedTokenizerFast, width: int) -> CLIPTextModelWithProjection:
