@@ -428,12 +428,20 @@ def name_tokenizers_portably(output_dir: str) -> None:
         f.write("\n")
 
 
-def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, report: dict, command: str) -> None:
-    """README.md of the saved folder: what the model is, how it was made, how it scores."""
-    sizes = {
+def parameter_counts(pipe: StableDiffusion3Pipeline) -> dict[str, int]:
+    """Parameters of each trained component."""
+    return {
         name: sum(p.numel() for p in getattr(pipe, name).parameters())
         for name in ("transformer", "vae", "text_encoder", "text_encoder_2")
     }
+
+
+def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, report: dict, command: str) -> None:
+    """README.md of the saved folder: what the model is, how it was made, how it scores.
+
+    Not ``genrl.model_card.write_model_card``: that one describes an RL fine-tune (base
+    model, reward, before/after scores); this model is trained from scratch."""
+    sizes = parameter_counts(pipe)
     rows = "\n".join(
         f"| {key.split('_cfg')[0]} | {key.split('_cfg')[1]} | {v['overall']:.3f} | {v['strict']:.3f} | "
         f"{v['color']:.3f} | {v['shape']:.3f} | {v['count']:.3f} | {v['position']:.3f} |"
@@ -525,8 +533,8 @@ def main(args: argparse.Namespace) -> None:
     latent_size = args.resolution // 4
     pipe = build_pipeline(args)
     vae = pipe.vae
-    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-        print(f"{name}: {sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e6:.3f}M parameters")
+    for name, count in parameter_counts(pipe).items():
+        print(f"{name}: {count / 1e6:.3f}M parameters")
     check_null_token_processor(pipe.transformer, latent_size, 2 * args.text_width, 2 * args.text_width)
 
     train_vae(vae, train_specs, args, rng)
