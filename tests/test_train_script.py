@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
