@@ -102,7 +102,7 @@ def _write_prompts(path: str, prompts) -> str:
 
 def setting_args(setting: str, workdir: str) -> list[str]:
     """train_genrl.py arguments of a setting, on top of the no-argument run's."""
-    from genrl.tiny_pipelines import save_tiny_pipeline
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     if setting == "toy":
         return []

@@ -11,7 +11,7 @@ frames/s and the ratios
     loop_overhead_ratio = (rollout_s - encode_s - decode_s) / bare_forwards_s
 
 (the second leaves out prompt encoding and VAE decoding, timed on their own), plus peak memory
-of the rollout and of the bare forwards. Models: the tiny pipelines of genrl.tiny_pipelines
+of the rollout and of the bare forwards. Models: the tiny pipelines of genrl.testing.tiny_pipelines
 with a transformer of the chosen --scale, random weights.
 
     python bench/bench_rollout.py                    # wan, sd3, flux; small transformers (~1 min on 2 cores)

@@ -35,7 +35,7 @@ if ROOT not in sys.path:
 
 import torch  # noqa: E402
 
-# Prompts every tiny tokenizer knows (genrl.tiny_pipelines.TINY_VOCAB), one per prompt group.
+# Prompts every tiny tokenizer knows (genrl.testing.tiny_pipelines.TINY_VOCAB), one per prompt group.
 PROMPTS = (
     "a red circle", "two blue squares", "a green triangle left of a yellow circle", "three red triangles",
     "a blue circle above a red square", "two yellow circles", "a green square", "a red square below a blue triangle",
@@ -300,7 +300,7 @@ def memory_kind(device: str | torch.device) -> str:
 
 # ----- the models ---------------------------------------------------------------------------
 
-# Transformer sizes on top of the tiny pipelines (genrl.tiny_pipelines): the same components,
+# Transformer sizes on top of the tiny pipelines (genrl.testing.tiny_pipelines): the same components,
 # text encoders and VAEs, with a larger transformer of the same family. "tiny" keeps the
 # pipeline's own transformer (0.02-0.08 M parameters).
 SCALES: dict[str, dict[str, dict[str, Any]]] = {
@@ -328,7 +328,7 @@ def build_bench_policy(family: str, scale: str = "tiny", seed: int = 0):
     """A ``FlowPolicy`` over the tiny ``family`` pipeline whose transformer is of size ``scale``
     ("tiny", "small", "mid"), random init from ``seed``, float32 on the CPU."""
     from genrl.policies import policy_for_pipeline
-    from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
+    from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
 
     if family not in FAMILIES:
         raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}.")

@@ -42,7 +42,6 @@ from diffusers import (  # noqa: E402
     StableDiffusion3Pipeline,
 )
 from diffusers.models.attention_processor import JointAttnProcessor2_0  # noqa: E402
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors  # noqa: E402
 from transformers import (  # noqa: E402
     CLIPTextConfig,
     CLIPTextModelWithProjection,
@@ -60,6 +59,7 @@ from genrl.toy_scenes import (  # noqa: E402
     sample_scene,
     vocabulary,
 )
+from genrl.word_tokenizer import word_level_tokenizer  # noqa: E402
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
@@ -109,22 +109,10 @@ def build_tokenizer(max_length: int, stand_in_t5: bool = False) -> PreTrainedTok
     and adds no special tokens, so a prompt always fits ``max_sequence_length`` >= 1 (the
     pipeline then never warns about truncation); the zero T5 ignores the ids anyway.
     """
-    vocab = {token: i for i, token in enumerate(SPECIAL_TOKENS + tuple(vocabulary()))}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    if not stand_in_t5:
-        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single="<bos> $A <eos>", special_tokens=[("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])]
-        )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        model_max_length=max_length,
-    )
+    vocab = SPECIAL_TOKENS + tuple(vocabulary())
+    if stand_in_t5:
+        return word_level_tokenizer(vocab, max_length, template=None, split_words=False)
+    return word_level_tokenizer(vocab, max_length)
 
 
 def build_text_encoder(tokenizer: PreTrainedTokenizerFast, width: int) -> CLIPTextModelWithProjection:
@@ -440,12 +428,20 @@ def name_tokenizers_portably(output_dir: str) -> None:
         f.write("\n")
 
 
-def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, report: dict, command: str) -> None:
-    """README.md of the saved folder: what the model is, how it was made, how it scores."""
-    sizes = {
+def parameter_counts(pipe: StableDiffusion3Pipeline) -> dict[str, int]:
+    """Parameters of each trained component."""
+    return {
         name: sum(p.numel() for p in getattr(pipe, name).parameters())
         for name in ("transformer", "vae", "text_encoder", "text_encoder_2")
     }
+
+
+def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, report: dict, command: str) -> None:
+    """README.md of the saved folder: what the model is, how it was made, how it scores.
+
+    Not ``genrl.model_card.write_model_card``: that one describes an RL fine-tune (base
+    model, reward, before/after scores); this model is trained from scratch."""
+    sizes = parameter_counts(pipe)
     rows = "\n".join(
         f"| {key.split('_cfg')[0]} | {key.split('_cfg')[1]} | {v['overall']:.3f} | {v['strict']:.3f} | "
         f"{v['color']:.3f} | {v['shape']:.3f} | {v['count']:.3f} | {v['position']:.3f} |"
@@ -537,8 +533,8 @@ def main(args: argparse.Namespace) -> None:
     latent_size = args.resolution // 4
     pipe = build_pipeline(args)
     vae = pipe.vae
-    for name in ("transformer", "vae", "text_encoder", "text_encoder_2"):
-        print(f"{name}: {sum(p.numel() for p in getattr(pipe, name).parameters()) / 1e6:.3f}M parameters")
+    for name, count in parameter_counts(pipe).items():
+        print(f"{name}: {count / 1e6:.3f}M parameters")
     check_null_token_processor(pipe.transformer, latent_size, 2 * args.text_width, 2 * args.text_width)
 
     train_vae(vae, train_specs, args, rng)

@@ -85,7 +85,7 @@ def script_errors(stderr: str, script: str = "train_genrl.py") -> list[str]:
 @pytest.fixture(scope="session")
 def tiny_sd3(tmp_path_factory) -> str:
     """A tiny random SD3 pipeline saved to disk, loaded by the scripts through from_pretrained."""
-    from genrl.tiny_pipelines import save_tiny_pipeline
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     return save_tiny_pipeline("sd3", str(tmp_path_factory.mktemp("models") / "tiny-sd3"), seed=0)
 

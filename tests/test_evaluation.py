@@ -18,7 +18,7 @@ from genrl.evaluation import batches_of_process, eval_batches, evaluate, spread_
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
-from genrl.tiny_pipelines import save_tiny_pipeline
+from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle", "two blue squares", "a cat on a table", "a dog", "the sun over the sea", "a blue bird", "a tree"]

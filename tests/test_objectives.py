@@ -13,7 +13,7 @@ from genrl.objectives import (
     reference_model,
 )
 from genrl.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
-from genrl.tiny_pipelines import FAMILIES, build_tiny_policy
+from genrl.testing.tiny_pipelines import FAMILIES, build_tiny_policy
 
 torch.set_num_threads(2)
 

@@ -10,7 +10,7 @@ from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPi
 from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy, policy_for_pipeline
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
-from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, save_tiny_pipeline
+from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, save_tiny_pipeline
 
 torch.set_num_threads(2)
 

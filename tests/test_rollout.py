@@ -12,7 +12,7 @@ from genrl.rollout import (
     sample_rollout,
     step_log_prob,
 )
-from genrl.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
+from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 
 torch.set_num_threads(2)
 

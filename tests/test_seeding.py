@@ -13,7 +13,7 @@ import torch
 
 from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
 from genrl.seeding import latent_generator, prompt_seed
-from genrl.tiny_pipelines import build_tiny_policy
+from genrl.testing.tiny_pipelines import build_tiny_policy
 
 torch.set_num_threads(2)
 

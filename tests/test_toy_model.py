@@ -52,6 +52,26 @@ def test_tokenizers_read_every_caption_whole(pipe):
     assert pipe.tokenizer_2("two red circles").input_ids == pipe.tokenizer("two red circles").input_ids
 
 
+def test_script_builds_the_shipped_tokenizers():
+    """The script's tokenizers (built by genrl.word_tokenizer, which the tiny test pipelines
+    share) are still those the shipped model was trained with. Padding and truncation are left
+    out: they are state that the last call leaves, not part of the tokenizer."""
+    script = load_script()
+    max_length = script.parse_args([]).max_length
+    built = [script.build_tokenizer(max_length)] * 2 + [script.build_tokenizer(1, stand_in_t5=True)]
+    for name, tokenizer in zip(("tokenizer", "tokenizer_2", "tokenizer_3"), built):
+        with open(os.path.join(FOLDER, name, "tokenizer.json"), encoding="utf-8") as f:
+            shipped = json.load(f)
+        got = json.loads(tokenizer.backend_tokenizer.to_str())
+        for state in ("padding", "truncation"):
+            shipped.pop(state), got.pop(state)
+        assert got == shipped, name
+        with open(os.path.join(FOLDER, name, "tokenizer_config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+        assert config["model_max_length"] == tokenizer.model_max_length, name
+        assert all(config[f"{t}_token"] == f"<{t}>" == getattr(tokenizer, f"{t}_token") for t in ("bos", "eos", "pad", "unk"))
+
+
 def test_stand_in_t5_gives_the_embeddings_of_no_t5(pipe):
     without_t5 = StableDiffusion3Pipeline(**{**pipe.components, "text_encoder_3": None, "tokenizer_3": None})
     prompts = ["a red circle", "a blue square above a green triangle"]

@@ -2,6 +2,7 @@
 
 import json
 import os
+import subprocess
 
 import pytest
 import torch
@@ -120,7 +121,7 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path)
     ("flux", "jpeg_compressibility", ["--use_lora", "--rank", "4", "--guidance_scale", "3.5"]),
 ])
 def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, extra, prompt_file, tmp_path):
-    from genrl.tiny_pipelines import save_tiny_pipeline
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline(family, str(tmp_path / f"tiny-{family}"))
     out = str(tmp_path / "out")

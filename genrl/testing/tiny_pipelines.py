@@ -1,10 +1,12 @@
-"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline.
+"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline, for
+tests and benchmarks (training does not use them: the trainer's no-argument run uses the
+shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
 They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` objects with
 the same components as the published models, shrunk to a few hundred thousand parameters,
-so that tests and the trainer's no-argument default run exercise the exact code paths of
-the full-size models on a CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
-split on whitespace and punctuation; other words map to ``<unk>``), built in memory.
+so that tests and benchmarks exercise the exact code paths of the full-size models on a
+CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
+split on whitespace and punctuation; other words map to ``<unk>``), built in memory by ``genrl.word_tokenizer``.
 
 ``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
 which ``genrl.policies.load_policy`` reads, so a loaded tiny pipeline samples at its own
@@ -29,7 +31,6 @@ from diffusers import (
     WanPipeline,
     WanTransformer3DModel,
 )
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -42,6 +43,7 @@ from transformers import (
 )
 
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
+from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 FAMILIES = ("wan", "sd3", "flux")
 
@@ -85,22 +87,7 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
 
     ``add_bos``: CLIP-style ``<bos> words <eos>``; otherwise T5-style ``words <eos>``.
     """
-    vocab = {token: i for i, token in enumerate(TINY_VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.normalizer = normalizers.Lowercase()
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    special = [("<bos>", vocab["<bos>"]), ("<eos>", vocab["<eos>"])]
-    template = "<bos> $A <eos>" if add_bos else "$A <eos>"
-    backend.post_processor = processors.TemplateProcessing(single=template, special_tokens=special)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="<pad>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        bos_token="<bos>",
-        model_max_length=max_length,
-        padding_side="right",
-    )
+    return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
 
 
 def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
