@@ -28,7 +28,41 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
+from genrl.console import eval_line, hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+
+silence_known_noise()  # before the libraries below load: some warn on import
+
+import cv2
+from diffusers.optimization import get_scheduler
+from peft import LoraConfig
+
+from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
+from genrl.checkpointing import (
+    check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
+    run_identity, save_checkpoint, trim_metrics,
+)
+from genrl.data import load_prompts
+from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
+from genrl.ema import EMA
+from genrl.errors import SetupError, find_setup_error
+from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
+from genrl.evaluation import evaluate
+from genrl.grpo import select_train_timesteps
+from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
+from genrl.model_card import first_and_last_eval, write_model_card
+from genrl.nan_guard import NonFiniteError, NonFiniteGuard, is_finite
+from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
+from genrl.plots import plot_training_curves
+from genrl.policies import load_policy
 from genrl.redact import redact_args, redact_argv
+from genrl.rewards import (
+    RewardScorer, build_reward_fn, cached_reward_models, check_reward_options, clear_reward_models, on_device,
+    parse_reward_spec,
+)
+from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout, sde_window_start
+from genrl.safe_load import verify_checkpoint
+from genrl.sampler import PromptGroupSampler, check_batch_sizes
+from genrl.seeding import mix_seeds
 
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
@@ -288,10 +322,7 @@ def parse_args(argv=None):
 
 
 def validate_args(args) -> None:
-    """Every check that needs no model, so bad input fails in a second with one sentence."""
-    from genrl.rewards import check_reward_options, parse_reward_spec
-    from genrl.sampler import check_batch_sizes
-
+    """Every check that needs no model, so bad input fails before any model loads, with one sentence."""
     model = args.pretrained_model_name_or_path
     looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model) or model.count("/") > 1
     if looks_local and not os.path.isdir(model):
@@ -339,8 +370,6 @@ def validate_args(args) -> None:
             f"({args.num_inference_steps - 1}): the last step is always deterministic."
         )
     if args.sde_window_size and args.sde_window_range:  # the window must fit its range (the rollout's own check)
-        from genrl.rollout import SamplingConfig, sde_window_start
-
         window = SamplingConfig(num_inference_steps=args.num_inference_steps, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range))
         sde_window_start("", args.seed, 0, args.num_inference_steps, window)
@@ -403,27 +432,8 @@ def num_trained_timesteps(args) -> int:
 
 def main(args):
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
-    from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
-    from genrl.checkpointing import (
-        check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
-        run_identity, save_checkpoint, trim_metrics,
-    )
-    from genrl.console import eval_line, planned_steps, progress_postfix
-    from genrl.data import load_prompts
-    from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
-    from genrl.ema import EMA
-    from genrl.errors import SetupError
-    from genrl.grpo import select_train_timesteps
-    from genrl.nan_guard import NonFiniteError, NonFiniteGuard, is_finite
-    from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
-    from genrl.policies import load_policy
-    from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
-    from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
-    from genrl.safe_load import verify_checkpoint
-    from genrl.sampler import PromptGroupSampler
-    from genrl.seeding import mix_seeds
 
-    # ---- Data (before anything heavy: an empty or missing prompt set fails in a second) ------
+    # ---- Data (first: an empty or missing prompt set fails before any model loads) ---------------
     try:
         train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
         eval_set = None
@@ -510,8 +520,6 @@ def main(args):
         ref_transformer = copy.deepcopy(transformer).to(device, weight_dtype).requires_grad_(False).eval()
     transformer.requires_grad_(not args.use_lora)
     if args.use_lora:
-        from peft import LoraConfig
-
         transformer.add_adapter(
             LoraConfig(
                 r=args.rank,
@@ -534,8 +542,6 @@ def main(args):
         weight_decay=args.adam_weight_decay,
         eps=args.adam_epsilon,
     )
-    from diffusers.optimization import get_scheduler
-
     lr_scheduler = get_scheduler(
         args.lr_scheduler,
         optimizer=optimizer,
@@ -613,9 +619,6 @@ def main(args):
         """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
         if eval_set is None:
             return {}
-        from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
-        from genrl.evaluation import evaluate
-
         model.eval()
         with ema.swapped_in() if ema is not None else nullcontext():
             result = evaluate(
@@ -823,8 +826,6 @@ def main(args):
             )
             logger.info(f"Saved {path}")
             if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
-                from genrl.hub import push_checkpoint_async
-
                 checkpoint_pushes.append(
                     push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
                 )
@@ -839,10 +840,6 @@ def main(args):
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
     push_failed = False
     if accelerator.is_main_process:
-        from genrl.hub import HubPushError, push_to_hub
-        from genrl.model_card import first_and_last_eval, write_model_card
-        from genrl.plots import plot_training_curves
-
         images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
         if os.path.exists(metrics_path):
             images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
@@ -880,8 +877,6 @@ def main(args):
 
 def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
     """Send a PNG written to disk to the trackers that show images."""
-    import cv2
-
     image = cv2.cvtColor(cv2.imread(png_path), cv2.COLOR_BGR2RGB)
     for tracker in accelerator.trackers:
         if tracker.name == "tensorboard":
@@ -907,11 +902,6 @@ def run(argv=None) -> None:
     that cannot be fetched, a learning rate that made the weights diverge) ends in its one
     sentence and exit status 1, not in a traceback; so does a collective that timed out
     waiting for a hung peer (the sentence names the rank and the operation)."""
-    from genrl.console import hide_loading_bars, silence_known_noise
-    from genrl.distributed import describe_timeout
-    from genrl.errors import find_setup_error
-
-    silence_known_noise()  # before the libraries load: some warn on import
     args = parse_args(argv)
     hide_loading_bars()
     try:
