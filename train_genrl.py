@@ -36,7 +36,6 @@ import cv2
 from diffusers.optimization import get_scheduler
 from peft import LoraConfig
 
-from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
 from genrl.checkpointing import (
     check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
     run_identity, save_checkpoint, trim_metrics,
@@ -45,6 +44,7 @@ from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
+from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
 from genrl.evaluation import evaluate
 from genrl.grpo import select_train_timesteps
@@ -55,11 +55,8 @@ from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.redact import redact_args, redact_argv
-from genrl.rewards import (
-    RewardScorer, build_reward_fn, cached_reward_models, check_reward_options, clear_reward_models, on_device,
-    parse_reward_spec,
-)
-from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout, sde_window_start
+from genrl.rewards import build_reward_fn, check_reward_options, clear_reward_models, parse_reward_spec
+from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.safe_load import verify_checkpoint
 from genrl.sampler import PromptGroupSampler, check_batch_sizes
 from genrl.seeding import mix_seeds
@@ -671,64 +668,32 @@ def main(args):
         if args.max_train_steps is not None and global_step >= args.max_train_steps:
             break
         step_at_epoch_start = global_step
-        timings = {}
 
-        # 1. Rollouts, scored as they come (async) or all at the end (sync).
+        # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
         model.eval()
-        t0 = time.perf_counter()
-        if reward_fn is None:
+        if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
             with zero_init_disabled():
                 reward_fn = build_rewards()
-        scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
-        rollouts = []
-        for batch in sampler.batches(epoch):
-            prompts = [train_set.prompts[i] for i, _ in batch]
-            metadata = [train_set.metadata[i] for i, _ in batch]
-            rollout = sample_rollout(
-                policy, model, prompts, [k for _, k in batch], seed=args.seed, epoch=epoch, config=sampling, device=device
-            )
-            guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
-            scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
-            rollouts.append(rollout)
-        timings["time/decode_s"] = sum(r.decode_seconds for r in rollouts)
-        timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/decode_s"]  # denoising alone
-        t0 = time.perf_counter()
-        if args.reward_mode == "sync":
-            with on_device(cached_reward_models(), device):
-                scores = scorer.collect()
-        else:
-            scores = scorer.collect()
-        scorer.close()
-        timings["time/reward_s"] = time.perf_counter() - t0
+        scored = collect_rollouts(
+            policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
+            config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
+            reward_workers=args.reward_workers,
+        )
         if args.reward_clear_before_train:
             reward_fn = None
             clear_reward_models()
-        rollout = concat_rollouts(rollouts)
-        del rollouts
+        rollout, timings = scored.rollout, scored.timings
 
-        # 2. Advantages over the whole epoch, all ranks.
-        names = list(reward_weights)
-        local = {name: torch.cat([s[name] for s in scores]) for name in names}
-        n_local = len(rollout.prompts)
-        local_groups = torch.arange(n_local) // args.group_size + accelerator.process_index * sampler.groups_per_rank
-        gathered = {name: accelerator.gather(v.to(device)).cpu() for name, v in local.items()}
-        group_ids = accelerator.gather(local_groups.to(device)).cpu()
-        advantages = clip_advantages(
-            combine_rewards(gathered, reward_weights, group_ids, mode=args.reward_combine, std_mode=args.std_mode), args.adv_clip_max
+        # 5. Advantages over the whole epoch, all ranks.
+        advantages = epoch_advantages(
+            accelerator, scored.rewards, reward_weights, group_size=args.group_size,
+            groups_per_rank=sampler.groups_per_rank, reward_combine=args.reward_combine, std_mode=args.std_mode,
+            adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
+            micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
         )
-        per_rank = advantages.view(accelerator.num_processes, n_local)
-        if args.filter_zero_advantage:
-            keep = balanced_keep_mask(per_rank, args.train_batch_size * args.gradient_accumulation_steps)
-        else:
-            keep = torch.ones_like(per_rank, dtype=torch.bool)
-        kept = keep[accelerator.process_index].nonzero().squeeze(1)
-        local_adv = per_rank[accelerator.process_index]
-        epoch_logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
-        epoch_logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
-        epoch_logs["reward/zero_std_ratio"] = zero_std_ratio(sum(reward_weights[n] * gathered[n] for n in names), group_ids)
-        epoch_logs["train/kept_fraction"] = keep.float().mean().item()
+        kept, local_adv, epoch_logs = advantages.kept, advantages.advantages, dict(advantages.logs)
 
-        # 3. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
+        # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
         #    noised again by the forward process (nft, awm).
         model.train()
         t0 = time.perf_counter()
@@ -798,7 +763,7 @@ def main(args):
         del forward_batch
         timings["time/train_s"] = time.perf_counter() - t0
 
-        # 4. Log, evaluate, checkpoint.
+        # 7. Log, evaluate, checkpoint.
         if step_stats:
             for key in step_stats[0]:
                 epoch_logs[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
