@@ -47,11 +47,9 @@ from genrl.errors import SetupError, find_setup_error
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
 from genrl.evaluation import evaluate
-from genrl.grpo import select_train_timesteps
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.model_card import first_and_last_eval, write_model_card
-from genrl.nan_guard import NonFiniteError, NonFiniteGuard, is_finite
-from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
+from genrl.nan_guard import NonFiniteError, NonFiniteGuard
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.redact import redact_args, redact_argv
@@ -59,7 +57,7 @@ from genrl.rewards import build_reward_fn, check_reward_options, clear_reward_mo
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.safe_load import verify_checkpoint
 from genrl.sampler import PromptGroupSampler, check_batch_sizes
-from genrl.seeding import mix_seeds
+from genrl.update import UpdateConfig, update_policy
 
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
@@ -572,6 +570,14 @@ def main(args):
         num_frames=args.num_frames,
         negative_prompt=args.negative_prompt,
     )
+    update_config = UpdateConfig(
+        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
+        max_grad_norm=args.max_grad_norm, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
+        num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
+        shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
+        kl_form=args.kl_form, nft_beta=args.nft_beta,
+    )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
@@ -663,7 +669,7 @@ def main(args):
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
-    # ---- Training ----------------------------------------------------------------------------
+    # ---- Training: the phases of "What one epoch does" (README) ------------------------------------
     for epoch in range(first_epoch, args.num_epochs):
         if args.max_train_steps is not None and global_step >= args.max_train_steps:
             break
@@ -682,7 +688,6 @@ def main(args):
         if args.reward_clear_before_train:
             reward_fn = None
             clear_reward_models()
-        rollout, timings = scored.rollout, scored.timings
 
         # 5. Advantages over the whole epoch, all ranks.
         advantages = epoch_advantages(
@@ -691,91 +696,27 @@ def main(args):
             adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
             micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
         )
-        kept, local_adv, epoch_logs = advantages.kept, advantages.advantages, dict(advantages.logs)
 
-        # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
-        #    noised again by the forward process (nft, awm).
-        model.train()
+        # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples noised
+        #    again (nft, awm); 7. the EMA every --ema_update_interval optimizer steps.
         t0 = time.perf_counter()
-        generator = torch.Generator().manual_seed(mix_seeds(args.seed, epoch, accelerator.process_index, 7))
-        micro = args.train_batch_size
-        forward_batch = None
-        if args.objective != "grpo":
-            schedule = policy.timesteps_and_sigmas(args.num_inference_steps, rollout.final_latents, device)
-            forward_batch = draw_forward_batch(rollout, *schedule, n_train_steps, seed=args.seed, epoch=epoch)
-            if args.objective == "nft":  # the sampling policy's velocities, before the weights move
-                model.eval()
-                fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
-                model.train()
-        step_stats, grad_norms = [], []
-        window_stats, losses_finite = [], True  # of the optimizer step being accumulated
         skipped_before = guard.skipped
-        reached_max_steps = False
-        for _ in range(args.num_inner_epochs):
-            order = kept[torch.randperm(len(kept), generator=generator)]
-            if args.objective == "grpo":
-                train_steps = select_train_timesteps(
-                    len(order), rollout.num_steps, args.timestep_fraction, generator, shuffle=not args.no_timestep_shuffle
-                )
-            for start, j in [(start, j) for start in range(0, len(order), micro) for j in range(n_train_steps)]:
-                idx = order[start : start + micro]
-                with accelerator.accumulate(model):
-                    if args.objective == "grpo":
-                        loss, stats = grpo_step_loss(
-                            policy, model, rollout, idx, train_steps[start : start + micro, j], local_adv,
-                            config=sampling, clip_range=args.clip_range, beta=args.beta, frozen_reference=ref_transformer,
-                            kl_form=args.kl_form,
-                        )
-                    else:
-                        loss, stats = forward_step_loss(
-                            policy, model, forward_batch, rollout.embeds, idx, j, local_adv, objective=args.objective,
-                            guidance_scale=args.guidance_scale, adv_clip_max=args.adv_clip_max, nft_beta=args.nft_beta,
-                            beta=args.beta, frozen_reference=ref_transformer,
-                        )
-                    losses_finite = losses_finite and is_finite(loss)
-                    accelerator.backward(loss)
-                    apply_step = True
-                    if accelerator.sync_gradients:
-                        norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        # Every rank agrees; a skipped step leaves the weights of the last finite one
-                        # (DeepSpeed has already skipped its own step on a non-finite norm).
-                        apply_step = guard.check_step(accelerator, global_step + 1, losses_finite, norm)
-                        if apply_step and norm is not None:
-                            grad_norms.append(float(norm))
-                    if apply_step:
-                        optimizer.step()
-                        lr_scheduler.step()
-                    optimizer.zero_grad()
-                window_stats.append({k: float(v) for k, v in stats.items()})
-                if accelerator.sync_gradients:
-                    if apply_step:  # a skipped step's NaN statistics stay out of the logs
-                        step_stats += window_stats
-                    window_stats, losses_finite = [], True
-                    global_step += 1
-                    progress.update(1)
-                    if ema is not None:
-                        ema.step(global_step)
-                    if args.max_train_steps is not None and global_step >= args.max_train_steps:
-                        reached_max_steps = True
-                        break
-            if reached_max_steps:
-                break
-        del forward_batch
-        timings["time/train_s"] = time.perf_counter() - t0
+        update = update_policy(
+            policy, model, optimizer, lr_scheduler, accelerator, scored.rollout, advantages.advantages, advantages.kept,
+            config=update_config, sampling=sampling, seed=args.seed, epoch=epoch, global_step=global_step, guard=guard,
+            ema=ema, frozen_reference=ref_transformer, progress=progress,
+        )
+        global_step = update.global_step
+        train_seconds = time.perf_counter() - t0
 
-        # 7. Log, evaluate, checkpoint.
-        if step_stats:
-            for key in step_stats[0]:
-                epoch_logs[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
-        if grad_norms:
-            epoch_logs["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        epoch_logs["train/skipped_steps"] = guard.skipped - skipped_before
-        epoch_logs["train/lr"] = lr_scheduler.get_last_lr()[0]
-        epoch_logs["memory/peak_gb"] = peak_memory_gb(device)
-        epoch_logs.update(timings)
-        epoch_logs["time/elapsed_s"] = time.perf_counter() - launch_time
+        # 7. Logs, evaluation, checkpoints.
+        epoch_logs = {
+            **advantages.logs, **update.logs(), "train/skipped_steps": guard.skipped - skipped_before,
+            "train/lr": lr_scheduler.get_last_lr()[0], "memory/peak_gb": peak_memory_gb(device),
+            **scored.timings, "time/train_s": train_seconds, "time/elapsed_s": time.perf_counter() - launch_time,
+        }
         log(epoch_logs, global_step, epoch)
-        done = reached_max_steps or epoch == args.num_epochs - 1
+        done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = run_eval(epoch)
         progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
@@ -794,9 +735,8 @@ def main(args):
                 checkpoint_pushes.append(
                     push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
                 )
-        if reached_max_steps:
+        if update.reached_max_steps:
             break
-
     progress.close()
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
