@@ -22,17 +22,16 @@ import shlex
 import sys
 import tempfile
 import time
-from contextlib import nullcontext
+from functools import partial
 
 import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.console import eval_line, hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+from genrl.console import hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
-import cv2
 from diffusers.optimization import get_scheduler
 from peft import LoraConfig
 
@@ -45,8 +44,6 @@ from genrl.distributed import build_accelerator, configure_deepspeed, describe_t
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
 from genrl.experience import collect_rollouts, epoch_advantages
-from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
-from genrl.evaluation import evaluate
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.model_card import first_and_last_eval, write_model_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
@@ -57,6 +54,7 @@ from genrl.rewards import build_reward_fn, check_reward_options, clear_reward_mo
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.safe_load import verify_checkpoint
 from genrl.sampler import PromptGroupSampler, check_batch_sizes
+from genrl.train_logging import EvalPlan, crossed, evaluate_and_log, log_metrics
 from genrl.update import UpdateConfig, update_policy
 
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -578,6 +576,10 @@ def main(args):
         shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
         kl_form=args.kl_form, nft_beta=args.nft_beta,
     )
+    eval_plan = None if eval_set is None else EvalPlan(
+        eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
+        max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
+    )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
@@ -592,7 +594,7 @@ def main(args):
         "args": redact_args(vars(args)),
     }
 
-    # ---- Resume ---------------------------------------------------------------------------
+    # ---- Resume, trackers, logs ------------------------------------------------------------------
     global_step, first_epoch = 0, 0
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
@@ -603,52 +605,13 @@ def main(args):
         first_epoch = last_epoch + 1
     elif args.resume_from_checkpoint:
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
-
+    metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in run_config["args"].items()}
         accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
-    metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
-    if accelerator.is_main_process:  # a resumed run redoes the epochs after its checkpoint; a new run starts the file
-        trim_metrics(metrics_path, first_epoch - 1)
-
-    def log(values: dict, step: int, epoch: int) -> None:
-        accelerator.log(values, step=step)
-        if accelerator.is_main_process:
-            os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "epoch": epoch, **values}) + "\n")
-
-    def run_eval(epoch: int) -> dict:
-        """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
-        if eval_set is None:
-            return {}
-        model.eval()
-        with ema.swapped_in() if ema is not None else nullcontext():
-            result = evaluate(
-                policy, model, eval_set.prompts, eval_reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
-                max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
-                metadata=eval_set.metadata, keep_samples=args.eval_log_samples, show_progress=False,
-            )
-        values = result.log_dict("eval")
-        values["time/elapsed_s"] = time.perf_counter() - launch_time
-        log(values, global_step, epoch)
-        if accelerator.is_main_process and result.samples is not None:
-            captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
-                        for r in result.sample_rows()]
-            grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
-                                   captions=captions)
-            log_image(accelerator, "eval/samples", grid, global_step)
-            if policy.is_video:  # the grid shows middle frames; the clips themselves go next to it
-                videos = save_videos(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}"),
-                                     fps=args.eval_video_fps)
-                log_videos(accelerator, "eval/videos", videos, global_step)
-        if accelerator.is_main_process:
-            tqdm.write(eval_line(global_step, values))  # above the progress bar, which stays at the bottom
-        return values
-
-    def crossed(every: int | None, before: int, after: int) -> bool:
-        return bool(every) and after // every > before // every
-
+        trim_metrics(metrics_path, first_epoch - 1)  # a resumed run redoes the epochs after its checkpoint
+    evaluate_now = partial(evaluate_and_log, eval_plan, policy, model, accelerator, ema=ema, output_dir=args.output_dir,
+                           metrics_path=metrics_path, launch_time=launch_time)
     logger.info(
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
@@ -665,7 +628,7 @@ def main(args):
         ),
         initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
-    last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    last_eval = evaluate_now(step=global_step, epoch=first_epoch) if args.eval_steps and first_epoch == 0 else {}
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
@@ -715,10 +678,10 @@ def main(args):
             "train/lr": lr_scheduler.get_last_lr()[0], "memory/peak_gb": peak_memory_gb(device),
             **scored.timings, "time/train_s": train_seconds, "time/elapsed_s": time.perf_counter() - launch_time,
         }
-        log(epoch_logs, global_step, epoch)
+        log_metrics(accelerator, metrics_path, epoch_logs, step=global_step, epoch=epoch)
         done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
-            last_eval = run_eval(epoch)
+            last_eval = evaluate_now(step=global_step, epoch=epoch)
         progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
@@ -778,28 +741,6 @@ def main(args):
     accelerator.end_training()
     if push_failed:
         raise SystemExit(1)
-
-
-def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
-    """Send a PNG written to disk to the trackers that show images."""
-    image = cv2.cvtColor(cv2.imread(png_path), cv2.COLOR_BGR2RGB)
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_image(tag, image, step, dataformats="HWC")
-        elif tracker.name == "wandb":
-            import wandb
-
-            tracker.log({tag: wandb.Image(image)}, step=step)
-
-
-def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
-    """Send MP4s written to disk to the trackers that show videos (wandb; TensorBoard shows
-    the grid of middle frames, and the MP4s stay in --output_dir/samples)."""
-    for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
-            import wandb
-
-            tracker.log({tag: [wandb.Video(path, format="mp4") for path in mp4_paths]}, step=step)
 
 
 def run(argv=None) -> None:

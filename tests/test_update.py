@@ -1,10 +1,12 @@
-"""The update loop's visiting order and what it logs (genrl/update.py), without a model: the loop itself runs in the script tests (test_train_*.py, test_nan_guard.py)."""
+"""The update loop's visiting order and what it logs (genrl/update.py, genrl/train_logging.py),
+without a model: the loop itself runs in the script tests (test_train_*.py, test_nan_guard.py)."""
 
 from collections import Counter
 
 import pytest
 import torch
 
+from genrl.train_logging import crossed
 from genrl.update import UpdateConfig, UpdateResult, micro_steps
 
 
@@ -54,3 +56,7 @@ def test_update_logs_are_the_means_over_the_applied_steps():
     assert result.logs() == {"train/loss": 2.0, "train/kl": 0.5, "train/grad_norm": 1.0}
     assert UpdateResult(global_step=0).logs() == {}  # every step skipped: nothing to average
 
+
+def test_crossed_says_when_the_step_count_passed_a_multiple():
+    assert crossed(20, 18, 20) and crossed(20, 19, 41) and not crossed(20, 20, 39)
+    assert not crossed(None, 0, 100) and not crossed(0, 0, 100)
