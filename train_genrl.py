@@ -12,15 +12,11 @@ policy-gradient steps on the recorded transitions (see genrl/ and DESIGN notes i
 """
 
 import argparse
-import copy
 import glob
-import json
 import logging
 import math
 import os
-import shlex
 import sys
-import tempfile
 import time
 from functools import partial
 
@@ -33,11 +29,8 @@ from genrl.console import hide_loading_bars, planned_steps, progress_postfix, si
 silence_known_noise()  # before the libraries below load: some warn on import
 
 from diffusers.optimization import get_scheduler
-from peft import LoraConfig
-
 from genrl.checkpointing import (
-    check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
-    run_identity, save_checkpoint, trim_metrics,
+    check_writable, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
@@ -45,16 +38,18 @@ from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
-from genrl.model_card import first_and_last_eval, write_model_card
+from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
-from genrl.redact import redact_args, redact_argv
-from genrl.rewards import build_reward_fn, check_reward_options, clear_reward_models, parse_reward_spec
+from genrl.redact import redact_argv
+from genrl.rewards import (
+    build_eval_reward_fn, build_reward_fn, check_reward_options, clear_reward_models, load_reward_options, parse_reward_spec,
+)
 from genrl.rollout import SamplingConfig, sde_window_start
-from genrl.safe_load import verify_checkpoint
 from genrl.sampler import PromptGroupSampler, check_batch_sizes
 from genrl.train_logging import EvalPlan, crossed, evaluate_and_log, log_metrics
+from genrl.trainable import frozen_copy, make_trainable
 from genrl.update import UpdateConfig, update_policy
 
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -384,38 +379,6 @@ def validate_args(args) -> None:
         args.hub_model_id = os.path.basename(args.output_dir)
 
 
-def check_writable(folder: str) -> None:
-    """A file can be written in ``folder``, or in its deepest existing parent when it does not
-    exist yet (nothing is created here); else one sentence saying why not: found now rather
-    than at the first checkpoint, after the models loaded."""
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(f"{existing} is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
-
-
-def load_reward_options(value: str | None):
-    """``--reward_options``: JSON text, or a ``.json`` file holding it; parsed, not yet checked.
-    Invalid JSON is a ValueError of one sentence saying where."""
-    if not value:
-        return {}
-    source = f"--reward_options file {value!r}" if os.path.isfile(value) else "--reward_options"
-    if os.path.isfile(value):
-        with open(value) as f:
-            value = f.read()
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as e:
-        hint = "" if value.lstrip()[:1] in "{[" else " (nor a file that exists)"
-        raise ValueError(f"{source} is not valid JSON{hint}: {e.msg} at line {e.lineno} column {e.colno}.") from None
-
-
 def num_trained_timesteps(args) -> int:
     """Timesteps each sample trains on: a fraction of the recorded SDE steps (grpo: the window,
     or every step but the last, sigma' = 0) or of the sampling steps (nft, awm)."""
@@ -438,13 +401,10 @@ def main(args):
     # ---- Accelerator -------------------------------------------------------------------
     n_train_steps = num_trained_timesteps(args)
     accelerator = build_accelerator(
-        output_dir=args.output_dir,
-        logging_dir=args.logging_dir,
-        mixed_precision=args.mixed_precision,
+        output_dir=args.output_dir, logging_dir=args.logging_dir, mixed_precision=args.mixed_precision,
         # Every trained timestep of every micro batch is one backward pass of the accumulation.
         gradient_accumulation_steps=args.gradient_accumulation_steps * n_train_steps,
-        log_with=args.report_to,
-        collective_timeout_s=args.collective_timeout,
+        log_with=args.report_to, collective_timeout_s=args.collective_timeout,
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
@@ -463,26 +423,15 @@ def main(args):
     # before any model loads (load_checkpoint checks it again right before reading it); so is
     # an --output_dir holding another run's checkpoints.
     identity = run_identity(args)
-    if args.overwrite_output_dir and accelerator.is_main_process:
-        clear_output_dir(args.output_dir)
-    accelerator.wait_for_everyone()
     try:
-        resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
-        check_output_dir(args.output_dir, identity, resuming=resume_path is not None)
-        if resume_path is not None:
-            check_resumable(resume_path, identity)
-            verify_checkpoint(resume_path, accelerator.process_index)
+        resume_path = prepare_output_dir(accelerator, args.output_dir, identity, resume_from_checkpoint=args.resume_from_checkpoint,
+                                         overwrite=args.overwrite_output_dir)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"train_genrl.py: error: {e}")
-
     sampler = PromptGroupSampler(
-        num_prompts=len(train_set),
-        group_size=args.group_size,
-        batch_size=args.rollout_batch_size,
-        batches_per_epoch=args.rollout_batches_per_epoch,
-        num_processes=accelerator.num_processes,
-        rank=accelerator.process_index,
-        seed=args.seed,
+        num_prompts=len(train_set), group_size=args.group_size, batch_size=args.rollout_batch_size,
+        batches_per_epoch=args.rollout_batches_per_epoch, num_processes=accelerator.num_processes,
+        rank=accelerator.process_index, seed=args.seed,
     )
 
     # ---- Models --------------------------------------------------------------------------
@@ -496,52 +445,24 @@ def main(args):
         reward_options = load_reward_options(args.reward_options)
         # In sync mode reward models wait on the CPU and visit the training device to score.
         reward_device = "cpu" if args.reward_mode == "sync" else args.reward_device
-
-        def build_rewards():
-            return build_reward_fn(args.reward_fn, device=reward_device, options=reward_options)
-
+        build_rewards = partial(build_reward_fn, args.reward_fn, device=reward_device, options=reward_options)
         reward_fn = build_rewards()
-        eval_reward_fn = reward_fn
-        if args.eval_reward_fn != args.reward_fn:  # sub-scores may not apply to every prompt (NaN)
-            eval_names = dict(parse_reward_spec(args.eval_reward_fn))
-            eval_options = {k: v for k, v in reward_options.items() if k in eval_names}
-            eval_reward_fn = build_reward_fn(args.eval_reward_fn, device=reward_device, options=eval_options, allow_nan=True)
+        eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=reward_device,
+                                              options=reward_options)
     reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
-    transformer = policy.transformer
-    ref_transformer = None
-    if args.beta > 0 and not args.use_lora:  # full fine-tuning: the reference is a frozen copy
-        ref_transformer = copy.deepcopy(transformer).to(device, weight_dtype).requires_grad_(False).eval()
-    transformer.requires_grad_(not args.use_lora)
-    if args.use_lora:
-        transformer.add_adapter(
-            LoraConfig(
-                r=args.rank,
-                lora_alpha=args.lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=[m.strip() for m in args.lora_target_modules.split(",") if m.strip()],
-            )
-        )
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
-    if args.use_lora or accelerator.mixed_precision == "fp16":
-        for p in trainable:  # trainable weights stay fp32 under autocast
-            p.data = p.data.float()
-
-    optimizer = torch.optim.AdamW(
-        trainable,
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay,
-        eps=args.adam_epsilon,
+    # The KL reference: under LoRA the adapter switched off; for full fine-tuning a frozen copy.
+    ref_transformer = frozen_copy(policy.transformer, device, weight_dtype) if args.beta > 0 and not args.use_lora else None
+    trainable = make_trainable(
+        policy.transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
+        lora_target_modules=args.lora_target_modules, gradient_checkpointing=args.gradient_checkpointing,
+        float32=args.use_lora or accelerator.mixed_precision == "fp16",
     )
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes,
-    )
-    model, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
+                                 num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
+    model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
@@ -584,15 +505,7 @@ def main(args):
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
     sys.argv[:] = redact_argv(sys.argv)
-    run_config = {
-        "base_model": os.path.abspath(args.pretrained_model_name_or_path)
-        if os.path.isdir(args.pretrained_model_name_or_path)
-        else args.pretrained_model_name_or_path,
-        "family": policy.family,
-        "reward_fn": args.reward_fn,
-        "launch_command": "accelerate launch " + shlex.join(sys.argv),
-        "args": redact_args(vars(args)),
-    }
+    run_config = run_record(args, policy.family, sys.argv)
 
     # ---- Resume, trackers, logs ------------------------------------------------------------------
     global_step, first_epoch = 0, 0
@@ -711,22 +624,8 @@ def main(args):
         images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
         if os.path.exists(metrics_path):
             images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
-        evals = first_and_last_eval(metrics_path)
-        write_model_card(
-            args.output_dir,
-            base_model=run_config["base_model"],
-            reward_spec=args.reward_fn,
-            hyperparameters=run_config["args"],
-            eval_metrics=evals[-1][1] if evals else last_eval or None,
-            baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
-            eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-            sample_images=images,
-            launch_command=run_config["launch_command"],
-            tags=[policy.family],
-            objective=args.objective,
-            repo_id=args.hub_model_id,
-            pipeline_tag="text-to-video" if policy.is_video else "text-to-image",
-        )
+        write_run_card(args.output_dir, metrics_path, run_config, objective=args.objective, is_video=policy.is_video,
+                       last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id)
         logger.info(f"Exported to {args.output_dir}")
         for push in checkpoint_pushes:
             if push.exception() is not None:
