@@ -467,28 +467,7 @@ def main(args):
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
 
-    sampling = SamplingConfig(
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        noise_level=args.noise_level,
-        sde_type=args.sde_type,
-        sde_window_size=args.sde_window_size,
-        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        same_latent=args.same_latent,
-        negative_prompt=args.negative_prompt,
-    )
-    eval_sampling = SamplingConfig(
-        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
-        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
-        noise_level=0.0,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        negative_prompt=args.negative_prompt,
-    )
+    sampling, eval_sampling = sampling_configs(args)
     update_config = UpdateConfig(
         objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
@@ -599,18 +578,8 @@ def main(args):
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
         elif crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
-            for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
-                push.exception()
-            path = save_checkpoint(
-                accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch,
-                config=run_config, use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit,
-                run=identity,
-            )
-            logger.info(f"Saved {path}")
-            if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
-                checkpoint_pushes.append(
-                    push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
-                )
+            save_and_push_checkpoint(accelerator, model, policy, ema, args, global_step=global_step, epoch=epoch,
+                                     run_config=run_config, identity=identity, pushes=checkpoint_pushes)
         if update.reached_max_steps:
             break
     progress.close()
@@ -619,27 +588,69 @@ def main(args):
     if guard.consecutive:  # weights that just gave a non-finite loss are not exported
         raise NonFiniteError(guard.stop_message(global_step))
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
-    push_failed = False
-    if accelerator.is_main_process:
-        images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
-        if os.path.exists(metrics_path):
-            images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
-        write_run_card(args.output_dir, metrics_path, run_config, objective=args.objective, is_video=policy.is_video,
-                       last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id)
-        logger.info(f"Exported to {args.output_dir}")
-        for push in checkpoint_pushes:
-            if push.exception() is not None:
-                logger.error(f"A checkpoint push failed: {push.exception()}")
-        if args.push_to_hub:
-            try:
-                url = push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
-                logger.info(f"Pushed to {url}")
-            except HubPushError as e:  # the local export stays as it is
-                logger.error(str(e))
-                push_failed = True
+    push_failed = accelerator.is_main_process and not publish_export(
+        args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes
+    )
     accelerator.end_training()
     if push_failed:
         raise SystemExit(1)
+
+
+def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_step: int, epoch: int, run_config: dict,
+                             identity: dict, pushes: list) -> None:
+    """``checkpoint-<global_step>`` after ``epoch`` (every rank), then (main process, with
+    --push_checkpoints) its upload in the background, its future appended to ``pushes``."""
+    for push in pushes:  # pruning must not delete a checkpoint still uploading
+        push.exception()
+    path = save_checkpoint(
+        accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
+        use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
+    )
+    logger.info(f"Saved {path}")
+    if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
+        pushes.append(push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private))
+
+
+def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict, is_video: bool,
+                   checkpoint_pushes: list) -> bool:
+    """Main process, after the export: the training curves and the model card next to it, the
+    checkpoint uploads awaited, and with --push_to_hub the upload. False when that failed (the
+    local export stays as it is)."""
+    images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
+    if os.path.exists(metrics_path):
+        images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
+    write_run_card(args.output_dir, metrics_path, run_config, objective=args.objective, is_video=is_video,
+                   last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id)
+    logger.info(f"Exported to {args.output_dir}")
+    for push in checkpoint_pushes:
+        if push.exception() is not None:
+            logger.error(f"A checkpoint push failed: {push.exception()}")
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+            logger.info(f"Pushed to {url}")
+        except HubPushError as e:  # the local export stays as it is
+            logger.error(str(e))
+            return False
+    return True
+
+
+def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
+    """How rollouts are sampled, and how evaluation samples (deterministic: noise level 0, its
+    own steps and guidance, defaulting to the rollouts')."""
+    common = dict(height=args.height, width=args.width, num_frames=args.num_frames, negative_prompt=args.negative_prompt)
+    sampling = SamplingConfig(
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
+        sde_type=args.sde_type, sde_window_size=args.sde_window_size,
+        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
+        same_latent=args.same_latent, **common,
+    )
+    eval_sampling = SamplingConfig(
+        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
+        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
+        noise_level=0.0, **common,
+    )
+    return sampling, eval_sampling
 
 
 def run(argv=None) -> None:
