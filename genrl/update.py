@@ -128,7 +128,7 @@ def prepare_forward_batch(
 
 
 def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler, guard: NonFiniteGuard, *,
-                   step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, float | None]:
+                   step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
     """After a backward pass: ``(applied, grad norm)``. At an accumulation boundary the norm is
     clipped and the guard decides on every rank whether step ``step`` is applied; a skipped step
     leaves the weights of the last finite one (DeepSpeed has already skipped its own step on a
