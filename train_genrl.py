@@ -12,23 +12,45 @@ policy-gradient steps on the recorded transitions (see genrl/ and DESIGN notes i
 """
 
 import argparse
-import copy
 import glob
-import json
 import logging
 import math
 import os
-import shlex
 import sys
-import tempfile
 import time
-from contextlib import nullcontext
+from functools import partial
 
 import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.redact import redact_args, redact_argv
+from genrl.console import hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+
+silence_known_noise()  # before the libraries below load: some warn on import
+
+from diffusers.optimization import get_scheduler
+from genrl.checkpointing import (
+    check_writable, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
+)
+from genrl.data import load_prompts
+from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
+from genrl.ema import EMA
+from genrl.errors import SetupError, find_setup_error
+from genrl.experience import collect_rollouts, epoch_advantages
+from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
+from genrl.model_card import write_run_card
+from genrl.nan_guard import NonFiniteError, NonFiniteGuard
+from genrl.plots import plot_training_curves
+from genrl.policies import load_policy
+from genrl.redact import redact_argv
+from genrl.rewards import (
+    build_eval_reward_fn, build_reward_fn, check_reward_options, clear_reward_models, load_reward_options, parse_reward_spec,
+)
+from genrl.rollout import SamplingConfig, sde_window_start
+from genrl.sampler import PromptGroupSampler, check_batch_sizes
+from genrl.train_logging import EvalPlan, crossed, evaluate_and_log, log_metrics
+from genrl.trainable import frozen_copy, make_trainable
+from genrl.update import UpdateConfig, update_policy
 
 GENRL_ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
@@ -288,10 +310,7 @@ def parse_args(argv=None):
 
 
 def validate_args(args) -> None:
-    """Every check that needs no model, so bad input fails in a second with one sentence."""
-    from genrl.rewards import check_reward_options, parse_reward_spec
-    from genrl.sampler import check_batch_sizes
-
+    """Every check that needs no model, so bad input fails before any model loads, with one sentence."""
     model = args.pretrained_model_name_or_path
     looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model) or model.count("/") > 1
     if looks_local and not os.path.isdir(model):
@@ -339,8 +358,6 @@ def validate_args(args) -> None:
             f"({args.num_inference_steps - 1}): the last step is always deterministic."
         )
     if args.sde_window_size and args.sde_window_range:  # the window must fit its range (the rollout's own check)
-        from genrl.rollout import SamplingConfig, sde_window_start
-
         window = SamplingConfig(num_inference_steps=args.num_inference_steps, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range))
         sde_window_start("", args.seed, 0, args.num_inference_steps, window)
@@ -362,38 +379,6 @@ def validate_args(args) -> None:
         args.hub_model_id = os.path.basename(args.output_dir)
 
 
-def check_writable(folder: str) -> None:
-    """A file can be written in ``folder``, or in its deepest existing parent when it does not
-    exist yet (nothing is created here); else one sentence saying why not: found now rather
-    than at the first checkpoint, after the models loaded."""
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(f"{existing} is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
-
-
-def load_reward_options(value: str | None):
-    """``--reward_options``: JSON text, or a ``.json`` file holding it; parsed, not yet checked.
-    Invalid JSON is a ValueError of one sentence saying where."""
-    if not value:
-        return {}
-    source = f"--reward_options file {value!r}" if os.path.isfile(value) else "--reward_options"
-    if os.path.isfile(value):
-        with open(value) as f:
-            value = f.read()
-    try:
-        return json.loads(value)
-    except json.JSONDecodeError as e:
-        hint = "" if value.lstrip()[:1] in "{[" else " (nor a file that exists)"
-        raise ValueError(f"{source} is not valid JSON{hint}: {e.msg} at line {e.lineno} column {e.colno}.") from None
-
-
 def num_trained_timesteps(args) -> int:
     """Timesteps each sample trains on: a fraction of the recorded SDE steps (grpo: the window,
     or every step but the last, sigma' = 0) or of the sampling steps (nft, awm)."""
@@ -403,27 +388,8 @@ def num_trained_timesteps(args) -> int:
 
 def main(args):
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
-    from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
-    from genrl.checkpointing import (
-        check_output_dir, check_resumable, clear_output_dir, export_model, load_checkpoint, resolve_resume_path,
-        run_identity, save_checkpoint, trim_metrics,
-    )
-    from genrl.console import eval_line, planned_steps, progress_postfix
-    from genrl.data import load_prompts
-    from genrl.distributed import build_accelerator, configure_deepspeed, peak_memory_gb, zero_init_disabled
-    from genrl.ema import EMA
-    from genrl.errors import SetupError
-    from genrl.grpo import select_train_timesteps
-    from genrl.nan_guard import NonFiniteError, NonFiniteGuard, is_finite
-    from genrl.objectives import draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
-    from genrl.policies import load_policy
-    from genrl.rewards import RewardScorer, build_reward_fn, parse_reward_spec, cached_reward_models, clear_reward_models, on_device
-    from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
-    from genrl.safe_load import verify_checkpoint
-    from genrl.sampler import PromptGroupSampler
-    from genrl.seeding import mix_seeds
 
-    # ---- Data (before anything heavy: an empty or missing prompt set fails in a second) ------
+    # ---- Data (first: an empty or missing prompt set fails before any model loads) ---------------
     try:
         train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
         eval_set = None
@@ -435,13 +401,10 @@ def main(args):
     # ---- Accelerator -------------------------------------------------------------------
     n_train_steps = num_trained_timesteps(args)
     accelerator = build_accelerator(
-        output_dir=args.output_dir,
-        logging_dir=args.logging_dir,
-        mixed_precision=args.mixed_precision,
+        output_dir=args.output_dir, logging_dir=args.logging_dir, mixed_precision=args.mixed_precision,
         # Every trained timestep of every micro batch is one backward pass of the accumulation.
         gradient_accumulation_steps=args.gradient_accumulation_steps * n_train_steps,
-        log_with=args.report_to,
-        collective_timeout_s=args.collective_timeout,
+        log_with=args.report_to, collective_timeout_s=args.collective_timeout,
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
@@ -460,26 +423,15 @@ def main(args):
     # before any model loads (load_checkpoint checks it again right before reading it); so is
     # an --output_dir holding another run's checkpoints.
     identity = run_identity(args)
-    if args.overwrite_output_dir and accelerator.is_main_process:
-        clear_output_dir(args.output_dir)
-    accelerator.wait_for_everyone()
     try:
-        resume_path = resolve_resume_path(args.output_dir, args.resume_from_checkpoint)
-        check_output_dir(args.output_dir, identity, resuming=resume_path is not None)
-        if resume_path is not None:
-            check_resumable(resume_path, identity)
-            verify_checkpoint(resume_path, accelerator.process_index)
+        resume_path = prepare_output_dir(accelerator, args.output_dir, identity, resume_from_checkpoint=args.resume_from_checkpoint,
+                                         overwrite=args.overwrite_output_dir)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"train_genrl.py: error: {e}")
-
     sampler = PromptGroupSampler(
-        num_prompts=len(train_set),
-        group_size=args.group_size,
-        batch_size=args.rollout_batch_size,
-        batches_per_epoch=args.rollout_batches_per_epoch,
-        num_processes=accelerator.num_processes,
-        rank=accelerator.process_index,
-        seed=args.seed,
+        num_prompts=len(train_set), group_size=args.group_size, batch_size=args.rollout_batch_size,
+        batches_per_epoch=args.rollout_batches_per_epoch, num_processes=accelerator.num_processes,
+        rank=accelerator.process_index, seed=args.seed,
     )
 
     # ---- Models --------------------------------------------------------------------------
@@ -493,97 +445,48 @@ def main(args):
         reward_options = load_reward_options(args.reward_options)
         # In sync mode reward models wait on the CPU and visit the training device to score.
         reward_device = "cpu" if args.reward_mode == "sync" else args.reward_device
-
-        def build_rewards():
-            return build_reward_fn(args.reward_fn, device=reward_device, options=reward_options)
-
+        build_rewards = partial(build_reward_fn, args.reward_fn, device=reward_device, options=reward_options)
         reward_fn = build_rewards()
-        eval_reward_fn = reward_fn
-        if args.eval_reward_fn != args.reward_fn:  # sub-scores may not apply to every prompt (NaN)
-            eval_names = dict(parse_reward_spec(args.eval_reward_fn))
-            eval_options = {k: v for k, v in reward_options.items() if k in eval_names}
-            eval_reward_fn = build_reward_fn(args.eval_reward_fn, device=reward_device, options=eval_options, allow_nan=True)
+        eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=reward_device,
+                                              options=reward_options)
     reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
-    transformer = policy.transformer
-    ref_transformer = None
-    if args.beta > 0 and not args.use_lora:  # full fine-tuning: the reference is a frozen copy
-        ref_transformer = copy.deepcopy(transformer).to(device, weight_dtype).requires_grad_(False).eval()
-    transformer.requires_grad_(not args.use_lora)
-    if args.use_lora:
-        from peft import LoraConfig
-
-        transformer.add_adapter(
-            LoraConfig(
-                r=args.rank,
-                lora_alpha=args.lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=[m.strip() for m in args.lora_target_modules.split(",") if m.strip()],
-            )
-        )
-    if args.gradient_checkpointing:
-        transformer.enable_gradient_checkpointing()
-    trainable = [p for p in transformer.parameters() if p.requires_grad]
-    if args.use_lora or accelerator.mixed_precision == "fp16":
-        for p in trainable:  # trainable weights stay fp32 under autocast
-            p.data = p.data.float()
-
-    optimizer = torch.optim.AdamW(
-        trainable,
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        weight_decay=args.adam_weight_decay,
-        eps=args.adam_epsilon,
+    # The KL reference: under LoRA the adapter switched off; for full fine-tuning a frozen copy.
+    ref_transformer = frozen_copy(policy.transformer, device, weight_dtype) if args.beta > 0 and not args.use_lora else None
+    trainable = make_trainable(
+        policy.transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
+        lora_target_modules=args.lora_target_modules, gradient_checkpointing=args.gradient_checkpointing,
+        float32=args.use_lora or accelerator.mixed_precision == "fp16",
     )
-    from diffusers.optimization import get_scheduler
-
-    lr_scheduler = get_scheduler(
-        args.lr_scheduler,
-        optimizer=optimizer,
-        num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
-        num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes,
-    )
-    model, optimizer, lr_scheduler = accelerator.prepare(transformer, optimizer, lr_scheduler)
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
+                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+    lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
+                                 num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
+                                 num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
+    model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
 
-    sampling = SamplingConfig(
-        num_inference_steps=args.num_inference_steps,
-        guidance_scale=args.guidance_scale,
-        noise_level=args.noise_level,
-        sde_type=args.sde_type,
-        sde_window_size=args.sde_window_size,
-        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        same_latent=args.same_latent,
-        negative_prompt=args.negative_prompt,
+    sampling, eval_sampling = sampling_configs(args)
+    update_config = UpdateConfig(
+        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
+        max_grad_norm=args.max_grad_norm, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
+        num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
+        shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
+        kl_form=args.kl_form, nft_beta=args.nft_beta,
     )
-    eval_sampling = SamplingConfig(
-        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
-        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
-        noise_level=0.0,
-        height=args.height,
-        width=args.width,
-        num_frames=args.num_frames,
-        negative_prompt=args.negative_prompt,
+    eval_plan = None if eval_set is None else EvalPlan(
+        eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
+        max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
     )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
     sys.argv[:] = redact_argv(sys.argv)
-    run_config = {
-        "base_model": os.path.abspath(args.pretrained_model_name_or_path)
-        if os.path.isdir(args.pretrained_model_name_or_path)
-        else args.pretrained_model_name_or_path,
-        "family": policy.family,
-        "reward_fn": args.reward_fn,
-        "launch_command": "accelerate launch " + shlex.join(sys.argv),
-        "args": redact_args(vars(args)),
-    }
+    run_config = run_record(args, policy.family, sys.argv)
 
-    # ---- Resume ---------------------------------------------------------------------------
+    # ---- Resume, trackers, logs ------------------------------------------------------------------
     global_step, first_epoch = 0, 0
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
@@ -594,55 +497,13 @@ def main(args):
         first_epoch = last_epoch + 1
     elif args.resume_from_checkpoint:
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
-
+    metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
     if accelerator.is_main_process:
         tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in run_config["args"].items()}
         accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
-    metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
-    if accelerator.is_main_process:  # a resumed run redoes the epochs after its checkpoint; a new run starts the file
-        trim_metrics(metrics_path, first_epoch - 1)
-
-    def log(values: dict, step: int, epoch: int) -> None:
-        accelerator.log(values, step=step)
-        if accelerator.is_main_process:
-            os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps({"step": step, "epoch": epoch, **values}) + "\n")
-
-    def run_eval(epoch: int) -> dict:
-        """Bounded deterministic evaluation (EMA weights when kept); metrics and a sample grid."""
-        if eval_set is None:
-            return {}
-        from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
-        from genrl.evaluation import evaluate
-
-        model.eval()
-        with ema.swapped_in() if ema is not None else nullcontext():
-            result = evaluate(
-                policy, model, eval_set.prompts, eval_reward_fn, seed=args.eval_seed, batch_size=args.eval_batch_size,
-                max_batches=args.eval_max_batches, config=eval_sampling, device=device, accelerator=accelerator,
-                metadata=eval_set.metadata, keep_samples=args.eval_log_samples, show_progress=False,
-            )
-        values = result.log_dict("eval")
-        values["time/elapsed_s"] = time.perf_counter() - launch_time
-        log(values, global_step, epoch)
-        if accelerator.is_main_process and result.samples is not None:
-            captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
-                        for r in result.sample_rows()]
-            grid = save_image_grid(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}.png"),
-                                   captions=captions)
-            log_image(accelerator, "eval/samples", grid, global_step)
-            if policy.is_video:  # the grid shows middle frames; the clips themselves go next to it
-                videos = save_videos(result.samples, os.path.join(args.output_dir, "samples", f"eval-{global_step:06d}"),
-                                     fps=args.eval_video_fps)
-                log_videos(accelerator, "eval/videos", videos, global_step)
-        if accelerator.is_main_process:
-            tqdm.write(eval_line(global_step, values))  # above the progress bar, which stays at the bottom
-        return values
-
-    def crossed(every: int | None, before: int, after: int) -> bool:
-        return bool(every) and after // every > before // every
-
+        trim_metrics(metrics_path, first_epoch - 1)  # a resumed run redoes the epochs after its checkpoint
+    evaluate_now = partial(evaluate_and_log, eval_plan, policy, model, accelerator, ema=ema, output_dir=args.output_dir,
+                           metrics_path=metrics_path, launch_time=launch_time)
     logger.info(
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
@@ -659,247 +520,137 @@ def main(args):
         ),
         initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
-    last_eval = run_eval(first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    last_eval = evaluate_now(step=global_step, epoch=first_epoch) if args.eval_steps and first_epoch == 0 else {}
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
-    # ---- Training ----------------------------------------------------------------------------
+    # ---- Training: the phases of "What one epoch does" (README) ------------------------------------
     for epoch in range(first_epoch, args.num_epochs):
         if args.max_train_steps is not None and global_step >= args.max_train_steps:
             break
         step_at_epoch_start = global_step
-        timings = {}
 
-        # 1. Rollouts, scored as they come (async) or all at the end (sync).
+        # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
         model.eval()
-        t0 = time.perf_counter()
-        if reward_fn is None:
+        if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
             with zero_init_disabled():
                 reward_fn = build_rewards()
-        scorer = RewardScorer(reward_fn, mode=args.reward_mode, max_workers=args.reward_workers)
-        rollouts = []
-        for batch in sampler.batches(epoch):
-            prompts = [train_set.prompts[i] for i, _ in batch]
-            metadata = [train_set.metadata[i] for i, _ in batch]
-            rollout = sample_rollout(
-                policy, model, prompts, [k for _, k in batch], seed=args.seed, epoch=epoch, config=sampling, device=device
-            )
-            guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
-            scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
-            rollouts.append(rollout)
-        timings["time/decode_s"] = sum(r.decode_seconds for r in rollouts)
-        timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/decode_s"]  # denoising alone
-        t0 = time.perf_counter()
-        if args.reward_mode == "sync":
-            with on_device(cached_reward_models(), device):
-                scores = scorer.collect()
-        else:
-            scores = scorer.collect()
-        scorer.close()
-        timings["time/reward_s"] = time.perf_counter() - t0
+        scored = collect_rollouts(
+            policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
+            config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
+            reward_workers=args.reward_workers,
+        )
         if args.reward_clear_before_train:
             reward_fn = None
             clear_reward_models()
-        rollout = concat_rollouts(rollouts)
-        del rollouts
 
-        # 2. Advantages over the whole epoch, all ranks.
-        names = list(reward_weights)
-        local = {name: torch.cat([s[name] for s in scores]) for name in names}
-        n_local = len(rollout.prompts)
-        local_groups = torch.arange(n_local) // args.group_size + accelerator.process_index * sampler.groups_per_rank
-        gathered = {name: accelerator.gather(v.to(device)).cpu() for name, v in local.items()}
-        group_ids = accelerator.gather(local_groups.to(device)).cpu()
-        advantages = clip_advantages(
-            combine_rewards(gathered, reward_weights, group_ids, mode=args.reward_combine, std_mode=args.std_mode), args.adv_clip_max
+        # 5. Advantages over the whole epoch, all ranks.
+        advantages = epoch_advantages(
+            accelerator, scored.rewards, reward_weights, group_size=args.group_size,
+            groups_per_rank=sampler.groups_per_rank, reward_combine=args.reward_combine, std_mode=args.std_mode,
+            adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
+            micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
         )
-        per_rank = advantages.view(accelerator.num_processes, n_local)
-        if args.filter_zero_advantage:
-            keep = balanced_keep_mask(per_rank, args.train_batch_size * args.gradient_accumulation_steps)
-        else:
-            keep = torch.ones_like(per_rank, dtype=torch.bool)
-        kept = keep[accelerator.process_index].nonzero().squeeze(1)
-        local_adv = per_rank[accelerator.process_index]
-        epoch_logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
-        epoch_logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
-        epoch_logs["reward/zero_std_ratio"] = zero_std_ratio(sum(reward_weights[n] * gathered[n] for n in names), group_ids)
-        epoch_logs["train/kept_fraction"] = keep.float().mean().item()
 
-        # 3. Policy update: on the recorded SDE transitions (grpo) or on the clean samples
-        #    noised again by the forward process (nft, awm).
-        model.train()
+        # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples noised
+        #    again (nft, awm); 7. the EMA every --ema_update_interval optimizer steps.
         t0 = time.perf_counter()
-        generator = torch.Generator().manual_seed(mix_seeds(args.seed, epoch, accelerator.process_index, 7))
-        micro = args.train_batch_size
-        forward_batch = None
-        if args.objective != "grpo":
-            schedule = policy.timesteps_and_sigmas(args.num_inference_steps, rollout.final_latents, device)
-            forward_batch = draw_forward_batch(rollout, *schedule, n_train_steps, seed=args.seed, epoch=epoch)
-            if args.objective == "nft":  # the sampling policy's velocities, before the weights move
-                model.eval()
-                fill_old_velocity(policy, model, forward_batch, rollout.embeds, kept.split(micro), args.guidance_scale)
-                model.train()
-        step_stats, grad_norms = [], []
-        window_stats, losses_finite = [], True  # of the optimizer step being accumulated
         skipped_before = guard.skipped
-        reached_max_steps = False
-        for _ in range(args.num_inner_epochs):
-            order = kept[torch.randperm(len(kept), generator=generator)]
-            if args.objective == "grpo":
-                train_steps = select_train_timesteps(
-                    len(order), rollout.num_steps, args.timestep_fraction, generator, shuffle=not args.no_timestep_shuffle
-                )
-            for start, j in [(start, j) for start in range(0, len(order), micro) for j in range(n_train_steps)]:
-                idx = order[start : start + micro]
-                with accelerator.accumulate(model):
-                    if args.objective == "grpo":
-                        loss, stats = grpo_step_loss(
-                            policy, model, rollout, idx, train_steps[start : start + micro, j], local_adv,
-                            config=sampling, clip_range=args.clip_range, beta=args.beta, frozen_reference=ref_transformer,
-                            kl_form=args.kl_form,
-                        )
-                    else:
-                        loss, stats = forward_step_loss(
-                            policy, model, forward_batch, rollout.embeds, idx, j, local_adv, objective=args.objective,
-                            guidance_scale=args.guidance_scale, adv_clip_max=args.adv_clip_max, nft_beta=args.nft_beta,
-                            beta=args.beta, frozen_reference=ref_transformer,
-                        )
-                    losses_finite = losses_finite and is_finite(loss)
-                    accelerator.backward(loss)
-                    apply_step = True
-                    if accelerator.sync_gradients:
-                        norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                        # Every rank agrees; a skipped step leaves the weights of the last finite one
-                        # (DeepSpeed has already skipped its own step on a non-finite norm).
-                        apply_step = guard.check_step(accelerator, global_step + 1, losses_finite, norm)
-                        if apply_step and norm is not None:
-                            grad_norms.append(float(norm))
-                    if apply_step:
-                        optimizer.step()
-                        lr_scheduler.step()
-                    optimizer.zero_grad()
-                window_stats.append({k: float(v) for k, v in stats.items()})
-                if accelerator.sync_gradients:
-                    if apply_step:  # a skipped step's NaN statistics stay out of the logs
-                        step_stats += window_stats
-                    window_stats, losses_finite = [], True
-                    global_step += 1
-                    progress.update(1)
-                    if ema is not None:
-                        ema.step(global_step)
-                    if args.max_train_steps is not None and global_step >= args.max_train_steps:
-                        reached_max_steps = True
-                        break
-            if reached_max_steps:
-                break
-        del forward_batch
-        timings["time/train_s"] = time.perf_counter() - t0
+        update = update_policy(
+            policy, model, optimizer, lr_scheduler, accelerator, scored.rollout, advantages.advantages, advantages.kept,
+            config=update_config, sampling=sampling, seed=args.seed, epoch=epoch, global_step=global_step, guard=guard,
+            ema=ema, frozen_reference=ref_transformer, progress=progress,
+        )
+        global_step = update.global_step
+        train_seconds = time.perf_counter() - t0
 
-        # 4. Log, evaluate, checkpoint.
-        if step_stats:
-            for key in step_stats[0]:
-                epoch_logs[f"train/{key}"] = sum(s[key] for s in step_stats) / len(step_stats)
-        if grad_norms:
-            epoch_logs["train/grad_norm"] = sum(grad_norms) / len(grad_norms)
-        epoch_logs["train/skipped_steps"] = guard.skipped - skipped_before
-        epoch_logs["train/lr"] = lr_scheduler.get_last_lr()[0]
-        epoch_logs["memory/peak_gb"] = peak_memory_gb(device)
-        epoch_logs.update(timings)
-        epoch_logs["time/elapsed_s"] = time.perf_counter() - launch_time
-        log(epoch_logs, global_step, epoch)
-        done = reached_max_steps or epoch == args.num_epochs - 1
+        # 7. Logs, evaluation, checkpoints.
+        epoch_logs = {
+            **advantages.logs, **update.logs(), "train/skipped_steps": guard.skipped - skipped_before,
+            "train/lr": lr_scheduler.get_last_lr()[0], "memory/peak_gb": peak_memory_gb(device),
+            **scored.timings, "time/train_s": train_seconds, "time/elapsed_s": time.perf_counter() - launch_time,
+        }
+        log_metrics(accelerator, metrics_path, epoch_logs, step=global_step, epoch=epoch)
+        done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
-            last_eval = run_eval(epoch)
+            last_eval = evaluate_now(step=global_step, epoch=epoch)
         progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
         elif crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
-            for push in checkpoint_pushes:  # pruning must not delete a checkpoint still uploading
-                push.exception()
-            path = save_checkpoint(
-                accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch,
-                config=run_config, use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit,
-                run=identity,
-            )
-            logger.info(f"Saved {path}")
-            if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
-                from genrl.hub import push_checkpoint_async
-
-                checkpoint_pushes.append(
-                    push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
-                )
-        if reached_max_steps:
+            save_and_push_checkpoint(accelerator, model, policy, ema, args, global_step=global_step, epoch=epoch,
+                                     run_config=run_config, identity=identity, pushes=checkpoint_pushes)
+        if update.reached_max_steps:
             break
-
     progress.close()
 
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
     if guard.consecutive:  # weights that just gave a non-finite loss are not exported
         raise NonFiniteError(guard.stop_message(global_step))
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
-    push_failed = False
-    if accelerator.is_main_process:
-        from genrl.hub import HubPushError, push_to_hub
-        from genrl.model_card import first_and_last_eval, write_model_card
-        from genrl.plots import plot_training_curves
-
-        images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
-        if os.path.exists(metrics_path):
-            images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
-        evals = first_and_last_eval(metrics_path)
-        write_model_card(
-            args.output_dir,
-            base_model=run_config["base_model"],
-            reward_spec=args.reward_fn,
-            hyperparameters=run_config["args"],
-            eval_metrics=evals[-1][1] if evals else last_eval or None,
-            baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
-            eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-            sample_images=images,
-            launch_command=run_config["launch_command"],
-            tags=[policy.family],
-            objective=args.objective,
-            repo_id=args.hub_model_id,
-            pipeline_tag="text-to-video" if policy.is_video else "text-to-image",
-        )
-        logger.info(f"Exported to {args.output_dir}")
-        for push in checkpoint_pushes:
-            if push.exception() is not None:
-                logger.error(f"A checkpoint push failed: {push.exception()}")
-        if args.push_to_hub:
-            try:
-                url = push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
-                logger.info(f"Pushed to {url}")
-            except HubPushError as e:  # the local export stays as it is
-                logger.error(str(e))
-                push_failed = True
+    push_failed = accelerator.is_main_process and not publish_export(
+        args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes
+    )
     accelerator.end_training()
     if push_failed:
         raise SystemExit(1)
 
 
-def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
-    """Send a PNG written to disk to the trackers that show images."""
-    import cv2
+def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_step: int, epoch: int, run_config: dict,
+                             identity: dict, pushes: list) -> None:
+    """``checkpoint-<global_step>`` after ``epoch`` (every rank), then (main process, with
+    --push_checkpoints) its upload in the background, its future appended to ``pushes``."""
+    for push in pushes:  # pruning must not delete a checkpoint still uploading
+        push.exception()
+    path = save_checkpoint(
+        accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
+        use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
+    )
+    logger.info(f"Saved {path}")
+    if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
+        pushes.append(push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private))
 
-    image = cv2.cvtColor(cv2.imread(png_path), cv2.COLOR_BGR2RGB)
-    for tracker in accelerator.trackers:
-        if tracker.name == "tensorboard":
-            tracker.writer.add_image(tag, image, step, dataformats="HWC")
-        elif tracker.name == "wandb":
-            import wandb
 
-            tracker.log({tag: wandb.Image(image)}, step=step)
+def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict, is_video: bool,
+                   checkpoint_pushes: list) -> bool:
+    """Main process, after the export: the training curves and the model card next to it, the
+    checkpoint uploads awaited, and with --push_to_hub the upload. False when that failed (the
+    local export stays as it is)."""
+    images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
+    if os.path.exists(metrics_path):
+        images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
+    write_run_card(args.output_dir, metrics_path, run_config, objective=args.objective, is_video=is_video,
+                   last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id)
+    logger.info(f"Exported to {args.output_dir}")
+    for push in checkpoint_pushes:
+        if push.exception() is not None:
+            logger.error(f"A checkpoint push failed: {push.exception()}")
+    if args.push_to_hub:
+        try:
+            url = push_to_hub(args.output_dir, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private)
+            logger.info(f"Pushed to {url}")
+        except HubPushError as e:  # the local export stays as it is
+            logger.error(str(e))
+            return False
+    return True
 
 
-def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
-    """Send MP4s written to disk to the trackers that show videos (wandb; TensorBoard shows
-    the grid of middle frames, and the MP4s stay in --output_dir/samples)."""
-    for tracker in accelerator.trackers:
-        if tracker.name == "wandb":
-            import wandb
-
-            tracker.log({tag: [wandb.Video(path, format="mp4") for path in mp4_paths]}, step=step)
+def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
+    """How rollouts are sampled, and how evaluation samples (deterministic: noise level 0, its
+    own steps and guidance, defaulting to the rollouts')."""
+    common = dict(height=args.height, width=args.width, num_frames=args.num_frames, negative_prompt=args.negative_prompt)
+    sampling = SamplingConfig(
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
+        sde_type=args.sde_type, sde_window_size=args.sde_window_size,
+        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
+        same_latent=args.same_latent, **common,
+    )
+    eval_sampling = SamplingConfig(
+        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
+        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
+        noise_level=0.0, **common,
+    )
+    return sampling, eval_sampling
 
 
 def run(argv=None) -> None:
@@ -907,11 +658,6 @@ def run(argv=None) -> None:
     that cannot be fetched, a learning rate that made the weights diverge) ends in its one
     sentence and exit status 1, not in a traceback; so does a collective that timed out
     waiting for a hung peer (the sentence names the rank and the operation)."""
-    from genrl.console import hide_loading_bars, silence_known_noise
-    from genrl.distributed import describe_timeout
-    from genrl.errors import find_setup_error
-
-    silence_known_noise()  # before the libraries load: some warn on import
     args = parse_args(argv)
     hide_loading_bars()
     try:

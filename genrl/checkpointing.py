@@ -25,13 +25,16 @@ import json
 import logging
 import os
 import re
+import shlex
 import shutil
+import tempfile
 from typing import Any
 
 import torch
 
 from genrl.ema import EMA
 from genrl.policies import FlowPolicy, load_policy
+from genrl.redact import redact_args
 from genrl.safe_load import load_weights_only, verify_checkpoint
 
 CONFIG_FILE = "genrl_config.json"
@@ -90,6 +93,20 @@ def run_identity(args) -> dict[str, Any]:
     return identity
 
 
+def run_record(args, family: str, argv: list[str]) -> dict[str, Any]:
+    """What an export records of its run (``genrl_config.json``, the model card): the base model
+    (a local folder made absolute), the model family, the reward spec, the launch command
+    (``argv``, already redacted) and every argument, tokens redacted."""
+    model = args.pretrained_model_name_or_path
+    return {
+        "base_model": os.path.abspath(model) if os.path.isdir(model) else model,
+        "family": family,
+        "reward_fn": args.reward_fn,
+        "launch_command": "accelerate launch " + shlex.join(argv),
+        "args": redact_args(vars(args)),
+    }
+
+
 def identity_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
     """``--name <recorded> there, <current> here`` for each argument the two runs set differently
     (arguments one side did not record are not compared)."""
@@ -130,6 +147,41 @@ def check_resumable(path: str, identity: dict[str, Any]) -> None:
             f"Cannot resume from {path}: it belongs to another run ({'; '.join(differences)}); "
             f"resume with that run's arguments, or {FRESH_START}."
         )
+
+
+def check_writable(folder: str) -> None:
+    """A file can be written in ``folder``, or in its deepest existing parent when it does not
+    exist yet (nothing is created here); else one sentence saying why not: found now rather
+    than at the first checkpoint, after the models loaded."""
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
+
+
+def prepare_output_dir(
+    accelerator, output_dir: str, identity: dict[str, Any], *, resume_from_checkpoint: str | None, overwrite: bool
+) -> str | None:
+    """Before any model loads: empty ``output_dir`` of its checkpoints when ``overwrite``
+    (``--overwrite_output_dir``), then return the checkpoint to resume (None: a new run) after
+    refusing, with one sentence (ValueError, FileNotFoundError), an ``output_dir`` that holds
+    another run's checkpoints (or this run's, when not resuming), a checkpoint of another run,
+    and one with a file that could run code or cannot be read."""
+    if overwrite and accelerator.is_main_process:
+        clear_output_dir(output_dir)
+    accelerator.wait_for_everyone()
+    resume_path = resolve_resume_path(output_dir, resume_from_checkpoint)
+    check_output_dir(output_dir, identity, resuming=resume_path is not None)
+    if resume_path is not None:
+        check_resumable(resume_path, identity)
+        verify_checkpoint(resume_path, accelerator.process_index)
+    return resume_path
 
 
 def clear_output_dir(output_dir: str) -> None:

@@ -255,3 +255,36 @@ def write_model_card(
     path = os.path.join(export_dir, "README.md")
     card.save(path)
     return path
+
+
+def write_run_card(
+    export_dir: str,
+    metrics_path: str,
+    run_config: dict,
+    *,
+    objective: str,
+    is_video: bool,
+    last_eval: dict | None,
+    sample_images: Sequence[str],
+    repo_id: str | None = None,
+) -> str:
+    """The card of a training run's final export: base model, rewards, family, settings and
+    launch command from ``run_config`` (what ``genrl_config.json`` records), and the held-out
+    score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
+    ``eval/*`` values of the last evaluation, when the log holds none). Returns its path."""
+    evals = first_and_last_eval(metrics_path)
+    return write_model_card(
+        export_dir,
+        base_model=run_config["base_model"],
+        reward_spec=run_config["reward_fn"],
+        hyperparameters=run_config["args"],
+        eval_metrics=evals[-1][1] if evals else last_eval or None,
+        baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
+        eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
+        sample_images=sample_images,
+        launch_command=run_config["launch_command"],
+        tags=[run_config["family"]],
+        objective=objective,
+        repo_id=repo_id,
+        pipeline_tag="text-to-video" if is_video else "text-to-image",
+    )

@@ -2,9 +2,9 @@
 
 ``--objective grpo`` trains on the recorded SDE transitions of a rollout (their log-probs);
 ``nft`` and ``awm`` train on its clean final latents, noised again by the forward process
-(``genrl.nft``). The trainer's update loop is the same for all three: it picks the samples
-of a micro batch and a timestep column, calls ``grpo_step_loss`` or ``forward_step_loss``,
-and steps the optimizer.
+(``genrl.nft``). The update loop (``genrl.update``) is the same for all three: it picks the
+samples of a micro batch and a timestep column, calls ``grpo_step_loss`` or
+``forward_step_loss``, and steps the optimizer.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""NaN and Inf are caught where they appear (genrl.nan_guard and the update loop of train_genrl.py):
+"""NaN and Inf are caught where they appear (genrl.nan_guard and the update loop, genrl/update.py):
 a non-finite step is skipped and said so, a few in a row stop the run with one sentence, and
 no checkpoint or export is written from the diverged weights."""
 

@@ -16,9 +16,11 @@ from genrl.rewards.lifecycle import (
 )
 from genrl.rewards.registry import (
     RewardFn,
+    build_eval_reward_fn,
     build_reward_fn,
     check_reward_options,
     known_rewards,
+    load_reward_options,
     parse_reward_spec,
     register_reward,
 )
@@ -27,6 +29,7 @@ from genrl.rewards.scoring import RewardScorer
 __all__ = [
     "RewardFn",
     "RewardScorer",
+    "build_eval_reward_fn",
     "build_reward_fn",
     "check_reward_options",
     "cached_reward_models",
@@ -34,6 +37,7 @@ __all__ = [
     "get_reward_model",
     "infer_layout",
     "known_rewards",
+    "load_reward_options",
     "move",
     "on_device",
     "parse_reward_spec",

@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
+import os
 import re
 import threading
 from typing import Any, Callable, Mapping, Sequence, Union
@@ -235,6 +237,22 @@ class RewardFn:
         return out
 
 
+def load_reward_options(value: str | None) -> Any:
+    """``--reward_options``: JSON text, or a ``.json`` file holding it; parsed, not yet checked
+    (``check_reward_options`` does that). Invalid JSON is a ValueError of one sentence saying where."""
+    if not value:
+        return {}
+    source = f"--reward_options file {value!r}" if os.path.isfile(value) else "--reward_options"
+    if os.path.isfile(value):
+        with open(value) as f:
+            value = f.read()
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        hint = "" if value.lstrip()[:1] in "{[" else " (nor a file that exists)"
+        raise ValueError(f"{source} is not valid JSON{hint}: {e.msg} at line {e.lineno} column {e.colno}.") from None
+
+
 def check_reward_options(options: Any, specs: Sequence[str]) -> None:
     """Check ``--reward_options`` before any model loads: a mapping from reward names (each
     in one of ``specs``) to a mapping of options, and, for a registered factory that lists
@@ -328,3 +346,15 @@ for _name in ("hpsv3", "hpsv3_top30"):
     register_reward(_name, "genrl.rewards.hpsv3:build_hpsv3_reward")
 for _name in ("videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"):
     register_reward(_name, "genrl.rewards.videoalign:build_videoalign_reward")
+
+
+def build_eval_reward_fn(
+    spec: str, train_spec: str, train_fn: RewardFn, *, device: Union[str, torch.device] = "cpu", options: Mapping | None = None
+) -> RewardFn:
+    """The rewards an evaluation reports: ``train_fn`` itself when ``spec`` is the training spec
+    ``train_spec``; else ``spec`` built with the ``options`` of its own names, a NaN score allowed
+    (a sub-score may not apply to every prompt)."""
+    if spec == train_spec:
+        return train_fn
+    names = dict(parse_reward_spec(spec))
+    return build_reward_fn(spec, device=device, options={k: v for k, v in (options or {}).items() if k in names}, allow_nan=True)

@@ -1,0 +1,138 @@
+"""An epoch's experience (phases 1-5 of "What one epoch does" in the README): this process's
+rollouts, scored by the rewards, and their advantages normalised over every process.
+
+``collect_rollouts`` samples the prompt-group batches the sampler gave this process, moves the
+decoded samples to the CPU and hands them to the rewards (scored in a thread while the next
+batch denoises, or all at the end on the training device). ``epoch_advantages`` gathers the
+rewards of every process, normalises them per prompt group (``genrl.advantages``) and says
+which samples this process trains on (the same count on every process).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
+from genrl.data import PromptSet
+from genrl.nan_guard import NonFiniteGuard
+from genrl.policies.base import FlowPolicy
+from genrl.rewards import RewardFn, RewardScorer, cached_reward_models, on_device
+from genrl.rollout import Rollout, SamplingConfig, concat_rollouts, sample_rollout
+
+
+@dataclass
+class ScoredRollouts:
+    """This process's samples of one epoch.
+
+    rollout: the epoch's rollout batches joined, B samples (``genrl.rollout.Rollout``).
+    rewards: ``{reward name: (B,)}`` float, one score per sample, for the names of the spec.
+    timings: ``time/rollout_s`` (denoising), ``time/decode_s`` (VAE), ``time/reward_s`` (scoring
+        left after the last batch: all of it in sync mode).
+    """
+
+    rollout: Rollout
+    rewards: dict[str, torch.Tensor]
+    timings: dict[str, float]
+
+
+def collect_rollouts(
+    policy: FlowPolicy,
+    model: torch.nn.Module,
+    prompt_set: PromptSet,
+    batches: Sequence[Sequence[tuple[int, int]]],
+    reward_fn: RewardFn,
+    *,
+    accelerator,
+    guard: NonFiniteGuard,
+    config: SamplingConfig,
+    seed: int,
+    epoch: int,
+    global_step: int,
+    reward_mode: str,
+    reward_workers: int,
+) -> ScoredRollouts:
+    """Phases 1-4: sample every batch of ``(prompt index, index in its group)`` pairs, stop on
+    non-finite samples before any reward sees them, and score them: ``reward_mode`` "async"
+    scores batch i in ``reward_workers`` threads while batch i + 1 denoises; "sync" scores all
+    of them at the end, with the cached reward models moved onto the training device."""
+    device = accelerator.device
+    t0 = time.perf_counter()
+    scorer = RewardScorer(reward_fn, mode=reward_mode, max_workers=reward_workers)
+    rollouts = []
+    for batch in batches:
+        prompts = [prompt_set.prompts[i] for i, _ in batch]
+        metadata = [prompt_set.metadata[i] for i, _ in batch]
+        rollout = sample_rollout(policy, model, prompts, [k for _, k in batch], seed=seed, epoch=epoch, config=config, device=device)
+        guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
+        scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
+        rollouts.append(rollout)
+    timings = {"time/decode_s": sum(r.decode_seconds for r in rollouts)}
+    timings["time/rollout_s"] = time.perf_counter() - t0 - timings["time/decode_s"]  # denoising alone
+    t0 = time.perf_counter()
+    if reward_mode == "sync":
+        with on_device(cached_reward_models(), device):
+            scores = scorer.collect()
+    else:
+        scores = scorer.collect()
+    scorer.close()
+    timings["time/reward_s"] = time.perf_counter() - t0
+    rewards = {name: torch.cat([s[name] for s in scores]) for name in reward_fn.names}
+    return ScoredRollouts(concat_rollouts(rollouts), rewards, timings)
+
+
+@dataclass
+class EpochAdvantages:
+    """What the update trains on, on this process.
+
+    advantages: ``(B,)`` float, the normalised and clipped advantage of each of this process's samples.
+    kept: ``(k,)`` long, the indices of the samples trained on (all B, or with
+        ``filter_zero_advantage`` the informative ones; k is the same on every process).
+    logs: ``reward/<name>_mean``, ``reward/<name>_std`` over every process's samples,
+        ``reward/zero_std_ratio``, ``train/kept_fraction``.
+    """
+
+    advantages: torch.Tensor
+    kept: torch.Tensor
+    logs: dict[str, float]
+
+
+def epoch_advantages(
+    accelerator,
+    rewards: dict[str, torch.Tensor],
+    weights: dict[str, float],
+    *,
+    group_size: int,
+    groups_per_rank: int,
+    reward_combine: str,
+    std_mode: str,
+    adv_clip_max: float,
+    filter_zero_advantage: bool,
+    micro_batch_size: int,
+) -> EpochAdvantages:
+    """Phase 5: gather ``rewards`` (``{name: (B,)}`` on each process, B the same everywhere)
+    from every process, normalise them per prompt group (process p holds groups
+    ``p * groups_per_rank`` onwards, ``group_size`` samples each, in order), clip at
+    ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``."""
+    device = accelerator.device
+    names = list(weights)
+    n_local = len(rewards[names[0]])
+    local_groups = torch.arange(n_local) // group_size + accelerator.process_index * groups_per_rank
+    gathered = {name: accelerator.gather(rewards[name].to(device)).cpu() for name in names}
+    group_ids = accelerator.gather(local_groups.to(device)).cpu()
+    advantages = clip_advantages(
+        combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
+    )
+    per_rank = advantages.view(accelerator.num_processes, n_local)
+    if filter_zero_advantage:
+        keep = balanced_keep_mask(per_rank, micro_batch_size)
+    else:
+        keep = torch.ones_like(per_rank, dtype=torch.bool)
+    logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
+    logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
+    logs["reward/zero_std_ratio"] = zero_std_ratio(sum(weights[n] * gathered[n] for n in names), group_ids)
+    logs["train/kept_fraction"] = keep.float().mean().item()
+    return EpochAdvantages(per_rank[accelerator.process_index], keep[accelerator.process_index].nonzero().squeeze(1), logs)

@@ -1,0 +1,128 @@
+"""What the trainer records (phase 7 of an epoch): metrics to the trackers and
+``logs/metrics.jsonl``, and the in-training evaluation with its sample grid (and MP4s for video
+models) on disk and in the trackers."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Callable
+
+import cv2
+import torch
+from tqdm.auto import tqdm
+
+from genrl.console import eval_line
+from genrl.data import PromptSet
+from genrl.ema import EMA
+from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
+from genrl.evaluation import EvalResult, evaluate
+from genrl.policies.base import FlowPolicy
+from genrl.rollout import SamplingConfig
+
+
+def crossed(every: int | None, before: int, after: int) -> bool:
+    """Whether the step count passed a multiple of ``every`` going from ``before`` to ``after``
+    (never when ``every`` is None or 0): the epoch-end cadence of evaluations and checkpoints."""
+    return bool(every) and after // every > before // every
+
+
+def log_metrics(accelerator, metrics_path: str, values: dict[str, float], *, step: int, epoch: int) -> None:
+    """``values`` to the trackers at ``step``, and (main process) one line
+    ``{"step": step, "epoch": epoch, **values}`` appended to ``metrics_path``."""
+    accelerator.log(values, step=step)
+    if accelerator.is_main_process:
+        os.makedirs(os.path.dirname(metrics_path), exist_ok=True)
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps({"step": step, "epoch": epoch, **values}) + "\n")
+
+
+def log_image(accelerator, tag: str, png_path: str, step: int) -> None:
+    """Send a PNG written to disk to the trackers that show images."""
+    image = cv2.cvtColor(cv2.imread(png_path), cv2.COLOR_BGR2RGB)
+    for tracker in accelerator.trackers:
+        if tracker.name == "tensorboard":
+            tracker.writer.add_image(tag, image, step, dataformats="HWC")
+        elif tracker.name == "wandb":
+            import wandb
+
+            tracker.log({tag: wandb.Image(image)}, step=step)
+
+
+def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
+    """Send MP4s written to disk to the trackers that show videos (wandb; TensorBoard shows
+    the grid of middle frames, and the MP4s stay in --output_dir/samples)."""
+    for tracker in accelerator.trackers:
+        if tracker.name == "wandb":
+            import wandb
+
+            tracker.log({tag: [wandb.Video(path, format="mp4") for path in mp4_paths]}, step=step)
+
+
+def log_eval_samples(accelerator, result: EvalResult, output_dir: str, step: int, *, is_video: bool, video_fps: float) -> None:
+    """Main process: the kept evaluation samples as ``samples/eval-<step>.png``, captioned with
+    their prompt and scores, and for video models their MP4s in ``samples/eval-<step>/``; both
+    go to the trackers that show them."""
+    captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
+                for r in result.sample_rows()]
+    grid = save_image_grid(result.samples, os.path.join(output_dir, "samples", f"eval-{step:06d}.png"), captions=captions)
+    log_image(accelerator, "eval/samples", grid, step)
+    if is_video:  # the grid shows middle frames; the clips themselves go next to it
+        videos = save_videos(result.samples, os.path.join(output_dir, "samples", f"eval-{step:06d}"), fps=video_fps)
+        log_videos(accelerator, "eval/videos", videos, step)
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """What the in-training evaluation runs (the ``--eval_*`` flags): ``prompts`` scored by
+    ``reward_fn``, sampled as ``config`` says (deterministic), ``batch_size`` prompts per batch
+    (all processes together), at most ``max_batches`` batches, noise from ``seed``;
+    ``keep_samples`` samples go to the grid, MP4s at ``video_fps``."""
+
+    prompts: PromptSet
+    reward_fn: Callable
+    config: SamplingConfig
+    seed: int
+    batch_size: int
+    max_batches: int
+    keep_samples: int
+    video_fps: float
+
+
+def evaluate_and_log(
+    plan: EvalPlan | None,
+    policy: FlowPolicy,
+    model: torch.nn.Module,
+    accelerator,
+    *,
+    ema: EMA | None,
+    output_dir: str,
+    metrics_path: str,
+    step: int,
+    epoch: int,
+    launch_time: float,
+) -> dict[str, float]:
+    """Bounded deterministic evaluation (the EMA weights when kept) at optimizer step ``step``:
+    ``eval/<reward>_mean`` and ``_std`` (and ``time/elapsed_s``, counted from ``launch_time``)
+    logged and returned, the sample grid written, one line printed above the progress bar.
+    No plan (no evaluation prompts): nothing, ``{}``."""
+    if plan is None:
+        return {}
+    model.eval()
+    with ema.swapped_in() if ema is not None else nullcontext():
+        result = evaluate(
+            policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
+            max_batches=plan.max_batches, config=plan.config, device=accelerator.device, accelerator=accelerator,
+            metadata=plan.prompts.metadata, keep_samples=plan.keep_samples, show_progress=False,
+        )
+    values = result.log_dict("eval")
+    values["time/elapsed_s"] = time.perf_counter() - launch_time
+    log_metrics(accelerator, metrics_path, values, step=step, epoch=epoch)
+    if accelerator.is_main_process and result.samples is not None:
+        log_eval_samples(accelerator, result, output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
+    if accelerator.is_main_process:
+        tqdm.write(eval_line(step, values))  # above the progress bar, which stays at the bottom
+    return values

@@ -1,0 +1,210 @@
+"""Phase 6 of an epoch (and the EMA of phase 7): the policy update on the epoch's samples, one
+loop for every ``--objective``.
+
+Per inner epoch the kept samples are shuffled and cut into micro batches of
+``micro_batch_size``; each micro batch is trained at each of its ``num_timesteps`` trained
+timesteps, and every (micro batch, timestep) is one backward pass of the accumulation
+(Accelerate's ``gradient_accumulation_steps`` counts them). At each accumulation boundary the
+gradient norm is clipped, the NaN guard decides on every rank whether the optimizer steps,
+the global step counts up and the EMA steps (every ``ema_update_interval`` optimizer steps).
+The update ends early when the global step reaches ``max_train_steps``.
+
+- ``grpo``: the loss of the recorded SDE transitions (``genrl.objectives.grpo_step_loss``), at
+  each sample's own shuffled ``timestep_fraction`` of its stochastic steps.
+- ``nft`` / ``awm``: the clean samples noised again at ``num_timesteps`` drawn steps of the
+  sampling schedule (``genrl.objectives.draw_forward_batch``); NFT first records the sampling
+  policy's velocities there, before the weights move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from genrl.ema import EMA
+from genrl.grpo import select_train_timesteps
+from genrl.nan_guard import NonFiniteGuard, is_finite
+from genrl.objectives import ForwardBatch, draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
+from genrl.policies.base import FlowPolicy
+from genrl.rollout import Rollout, SamplingConfig
+from genrl.seeding import mix_seeds
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    """How the update trains (the flags of the same names).
+
+    objective: "grpo", "nft" or "awm".
+    micro_batch_size: samples per micro batch (``--train_batch_size``).
+    num_timesteps: trained timesteps per sample (``num_trained_timesteps``).
+    num_inner_epochs: passes over the epoch's kept samples.
+    timestep_fraction, shuffle_timesteps: GRPO's choice of recorded steps per sample.
+    num_inference_steps: the sampling schedule the forward process draws from (nft, awm).
+    max_train_steps: stop when the global step reaches it (None: never).
+    guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
+        train the conditional velocity).
+    clip_range, kl_form: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
+    """
+
+    objective: str
+    micro_batch_size: int
+    num_timesteps: int
+    num_inference_steps: int
+    guidance_scale: float
+    max_grad_norm: float
+    clip_range: float
+    adv_clip_max: float
+    num_inner_epochs: int = 1
+    timestep_fraction: float = 1.0
+    shuffle_timesteps: bool = True
+    max_train_steps: int | None = None
+    beta: float = 0.0
+    kl_form: str = "transition"
+    nft_beta: float = 1.0
+
+
+@dataclass
+class UpdateResult:
+    """How the update went.
+
+    global_step: the optimizer-step count after it.
+    reached_max_steps: it stopped at ``max_train_steps``.
+    step_stats: the loss statistics of every (micro batch, timestep) of the applied optimizer
+        steps (a skipped step's NaN statistics stay out).
+    grad_norms: the gradient norm of every applied optimizer step (where the backend gives one).
+    """
+
+    global_step: int
+    reached_max_steps: bool = False
+    step_stats: list[dict[str, float]] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+    def logs(self) -> dict[str, float]:
+        """``train/<stat>``: the mean of each statistic over ``step_stats``; ``train/grad_norm``."""
+        logs = {}
+        if self.step_stats:
+            for key in self.step_stats[0]:
+                logs[f"train/{key}"] = sum(s[key] for s in self.step_stats) / len(self.step_stats)
+        if self.grad_norms:
+            logs["train/grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        return logs
+
+
+def micro_steps(
+    kept: torch.Tensor, num_recorded_steps: int, config: UpdateConfig, generator: torch.Generator
+) -> Iterator[tuple[torch.Tensor, torch.Tensor | int]]:
+    """``(idx, timestep)`` of every backward pass of the update, in order: per inner epoch a
+    fresh shuffle of ``kept`` ``(k,)`` cut into micro batches ``idx`` ``(b,)``, each visited at
+    every trained timestep column j. GRPO's timestep is ``(b,)``, each sample's own recorded
+    step (of ``num_recorded_steps``); nft's and awm's is the column j of the forward batch."""
+    micro, grpo = config.micro_batch_size, config.objective == "grpo"
+    for _ in range(config.num_inner_epochs):
+        order = kept[torch.randperm(len(kept), generator=generator)]
+        if grpo:  # (k, num_timesteps) recorded-step indices, drawn after the shuffle
+            train_steps = select_train_timesteps(
+                len(order), num_recorded_steps, config.timestep_fraction, generator, shuffle=config.shuffle_timesteps
+            )
+        for start in range(0, len(order), micro):
+            for j in range(config.num_timesteps):
+                yield order[start : start + micro], (train_steps[start : start + micro, j] if grpo else j)
+
+
+def prepare_forward_batch(
+    policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, kept: torch.Tensor, *, config: UpdateConfig,
+    seed: int, epoch: int, device: torch.device,
+) -> ForwardBatch:
+    """nft, awm: the rollout's clean samples noised again at ``config.num_timesteps`` steps of the
+    sampling schedule each; for nft with the sampling policy's velocities there, recorded in
+    the micro batches the update will visit (the same forwards on every rank)."""
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, device)
+    batch = draw_forward_batch(rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch)
+    if config.objective == "nft":  # the sampling policy's velocities, before the weights move
+        model.eval()
+        fill_old_velocity(policy, model, batch, rollout.embeds, kept.split(config.micro_batch_size), config.guidance_scale)
+        model.train()
+    return batch
+
+
+def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler, guard: NonFiniteGuard, *,
+                   step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
+    """After a backward pass: ``(applied, grad norm)``. At an accumulation boundary the norm is
+    clipped and the guard decides on every rank whether step ``step`` is applied; a skipped step
+    leaves the weights of the last finite one (DeepSpeed has already skipped its own step on a
+    non-finite norm). Between boundaries Accelerate's wrappers make the steps no-ops."""
+    norm, applied = None, True
+    if accelerator.sync_gradients:
+        norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+        applied = guard.check_step(accelerator, step, losses_finite, norm)
+    if applied:
+        optimizer.step()
+        lr_scheduler.step()
+    optimizer.zero_grad()
+    return applied, norm
+
+
+def update_policy(
+    policy: FlowPolicy,
+    model: torch.nn.Module,
+    optimizer,
+    lr_scheduler,
+    accelerator,
+    rollout: Rollout,
+    advantages: torch.Tensor,
+    kept: torch.Tensor,
+    *,
+    config: UpdateConfig,
+    sampling: SamplingConfig,
+    seed: int,
+    epoch: int,
+    global_step: int,
+    guard: NonFiniteGuard,
+    ema: EMA | None = None,
+    frozen_reference: torch.nn.Module | None = None,
+    progress=None,
+) -> UpdateResult:
+    """Train on this process's ``rollout`` (B samples, ``advantages`` ``(B,)``) at the samples
+    ``kept`` ``(k,)``, from optimizer step ``global_step``; ``progress`` (a tqdm bar) counts the
+    optimizer steps. ``sampling`` is how the rollout was sampled (GRPO recomputes its log-probs)."""
+    model.train()
+    generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
+    forward_batch = None
+    if config.objective != "grpo":
+        forward_batch = prepare_forward_batch(policy, model, rollout, kept, config=config, seed=seed, epoch=epoch,
+                                              device=accelerator.device)
+    result = UpdateResult(global_step)
+    window_stats, losses_finite = [], True  # of the optimizer step being accumulated
+    for idx, step in micro_steps(kept, rollout.num_steps, config, generator):
+        with accelerator.accumulate(model):
+            if config.objective == "grpo":
+                loss, stats = grpo_step_loss(
+                    policy, model, rollout, idx, step, advantages, config=sampling, clip_range=config.clip_range,
+                    beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
+                )
+            else:
+                loss, stats = forward_step_loss(
+                    policy, model, forward_batch, rollout.embeds, idx, step, advantages, objective=config.objective,
+                    guidance_scale=config.guidance_scale, adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta,
+                    beta=config.beta, frozen_reference=frozen_reference,
+                )
+            losses_finite = losses_finite and is_finite(loss)
+            accelerator.backward(loss)
+            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, step=result.global_step + 1,
+                                           losses_finite=losses_finite, max_grad_norm=config.max_grad_norm)
+            if applied and norm is not None:
+                result.grad_norms.append(float(norm))
+        window_stats.append({k: float(v) for k, v in stats.items()})
+        if accelerator.sync_gradients:  # one optimizer step done
+            if applied:  # a skipped step's NaN statistics stay out of the logs
+                result.step_stats += window_stats
+            window_stats, losses_finite = [], True
+            result.global_step += 1
+            if progress is not None:
+                progress.update(1)
+            if ema is not None:
+                ema.step(result.global_step)
+            if config.max_train_steps is not None and result.global_step >= config.max_train_steps:
+                result.reached_max_steps = True
+                break
+    return result
