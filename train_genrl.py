@@ -213,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--kl_form", choices=["transition", "sde_variance"], default="transition",
                        help="GRPO's KL: transition = KL of the two Gaussian steps, / 2 (std_t sqrt|dt|)^2 (Flow-GRPO's Wan "
                             "script, Flash-GRPO); sde_variance = / 2 std_t^2 (Flow-GRPO's SD3 script), i.e. x |dt|.")
+    group.add_argument("--grpo_guard", action="store_true",
+                       help="GRPO-Guard's normalised ratio: s (logp - logp_old) + mean((mu - mu_old)^2) / (2s), the SDE "
+                            "ratio's negative bias removed and the timesteps evened out (flow_sde only).")
     group.add_argument("--filter_zero_advantage", action="store_true",
                        help="Drop zero-advantage samples (every rank keeps the same count).")
 
@@ -350,6 +353,11 @@ def validate_args(args) -> None:
             f"--objective grpo trains on stochastic steps and needs --noise_level > 0 (got {args.noise_level}); "
             "--objective nft or awm train with any sampler, deterministic included."
         )
+    if args.grpo_guard and (args.objective != "grpo" or args.sde_type != "flow_sde"):
+        raise ValueError(
+            f"--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective {args.objective} "
+            f"with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."
+        )
     if args.objective == "nft" and not args.nft_beta > 0:
         raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
     if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
@@ -474,7 +482,7 @@ def main(args):
         max_grad_norm=args.max_grad_norm, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
         num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
         shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
-        kl_form=args.kl_form, nft_beta=args.nft_beta,
+        kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
     )
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,

@@ -45,7 +45,7 @@ class UpdateConfig:
     max_train_steps: stop when the global step reaches it (None: never).
     guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
         train the conditional velocity).
-    clip_range, kl_form: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
+    clip_range, kl_form, grpo_guard: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
     """
 
     objective: str
@@ -63,6 +63,7 @@ class UpdateConfig:
     beta: float = 0.0
     kl_form: str = "transition"
     nft_beta: float = 1.0
+    grpo_guard: bool = False
 
 
 @dataclass
@@ -181,6 +182,7 @@ def update_policy(
                 loss, stats = grpo_step_loss(
                     policy, model, rollout, idx, step, advantages, config=sampling, clip_range=config.clip_range,
                     beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
+                    guard=config.grpo_guard,
                 )
             else:
                 loss, stats = forward_step_loss(

@@ -65,6 +65,9 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     (["--sde_window_size", "2", "--sde_window_range", "2", "3"],
      "sde_window_range=(2, 3) cannot hold a window of 2 steps among the 3 stochastic-capable steps of 4; "
      "need 0 <= lo and hi - lo >= window size."),
+    (["--grpo_guard", "--sde_type", "flow_cps"],
+     "--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective grpo with --sde_type "
+     "flow_cps (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."),
 ])
 def test_sampling_without_a_usable_stochastic_step_is_refused(tiny_sd3, prompt_file, tmp_path, capsys, extra, expected):
     assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == expected
