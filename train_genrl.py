@@ -463,7 +463,7 @@ def main(args):
     trainable = make_trainable(
         policy.transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
         lora_target_modules=args.lora_target_modules, gradient_checkpointing=args.gradient_checkpointing,
-        float32=args.use_lora or accelerator.mixed_precision == "fp16",
+        float32=args.use_lora or accelerator.mixed_precision == "fp16", seed=args.seed,
     )
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                   weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)

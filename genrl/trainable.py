@@ -25,22 +25,29 @@ def make_trainable(
     lora_target_modules: str,
     gradient_checkpointing: bool,
     float32: bool,
+    seed: int = 0,
 ) -> list[torch.nn.Parameter]:
     """Make ``transformer`` trainable in place and return its trainable parameters: a LoRA
     adapter (``rank``, ``lora_alpha``, Gaussian init, on the comma-separated
     ``lora_target_modules``) with every base weight frozen, or (``use_lora`` False) all of its
     weights. ``float32``: the trainable weights are kept in float32 (under autocast, and for
-    LoRA); ``gradient_checkpointing`` recomputes activations in the backward pass."""
+    LoRA); ``gradient_checkpointing`` recomputes activations in the backward pass.
+
+    The adapter's random init is drawn from torch's global generator: it is seeded here with
+    ``seed`` (and restored after), so a LoRA run is reproducible and every rank starts from
+    the same adapter (torch otherwise seeds that generator differently in each process)."""
     transformer.requires_grad_(not use_lora)
     if use_lora:
-        transformer.add_adapter(
-            LoraConfig(
-                r=rank,
-                lora_alpha=lora_alpha,
-                init_lora_weights="gaussian",
-                target_modules=[m.strip() for m in lora_target_modules.split(",") if m.strip()],
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            transformer.add_adapter(
+                LoraConfig(
+                    r=rank,
+                    lora_alpha=lora_alpha,
+                    init_lora_weights="gaussian",
+                    target_modules=[m.strip() for m in lora_target_modules.split(",") if m.strip()],
+                )
             )
-        )
     if gradient_checkpointing:
         transformer.enable_gradient_checkpointing()
     trainable = [p for p in transformer.parameters() if p.requires_grad]
