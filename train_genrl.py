@@ -651,7 +651,7 @@ def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
         sde_type=args.sde_type, sde_window_size=args.sde_window_size,
         sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
-        same_latent=args.same_latent, **common,
+        same_latent=args.same_latent, record_means=args.grpo_guard, **common,
     )
     eval_sampling = SamplingConfig(
         num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,

@@ -22,6 +22,7 @@ on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceiling
     python bench/bench_learning.py                                # grpo, nft, awm x seeds 0 1 2 (~1.5 h on 2 cores)
     python bench/bench_learning.py --objectives nft --seeds 0 1 2 --max_train_steps 60
     python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~10 min)
+    python bench/bench_learning.py --objectives grpo --extra=--grpo_guard   # an option of one objective
     python bench/bench_learning.py --quick                        # CI: tiny random model, 2 steps, one seed
 """
 
@@ -77,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Runs, logs and learning_curves.png (default bench-output/learning-<setting>; a temporary folder with --quick).")
     parser.add_argument("--no_ceilings", action="store_true", help="Skip the best-of-K and supervised ceilings.")
     parser.add_argument("--supervised_steps", type=int, default=None, help="Ceiling fine-tuning steps (600; 2 with --quick).")
-    parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string.")
+    parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string "
+                        "(write --extra=--grpo_guard when it starts with a dash and has no space).")
     args = parser.parse_args(argv)
     args.quick = args.quick or args.setting == "quick"
     args.setting = "quick" if args.quick else args.setting

@@ -35,6 +35,8 @@ class SamplingConfig:
         sigma' > 0, i.e. ``num_inference_steps - 1``.
     height, width, num_frames: None = the policy's defaults.
     same_latent: the K samples of a prompt start from the same initial noise.
+    record_means: also keep each recorded step's SDE mean (GRPO-Guard's ratio needs it; one
+        more latent per recorded step, so off unless asked).
     """
 
     num_inference_steps: int = 16
@@ -48,6 +50,7 @@ class SamplingConfig:
     num_frames: int | None = None
     same_latent: bool = True
     negative_prompt: str = ""
+    record_means: bool = False
 
     def __post_init__(self):
         if self.sde_type not in SDE_TYPES:
@@ -66,7 +69,8 @@ class Rollout:
 
     latents, next_latents: ``(B, S, ...)`` float32, the state before / after each recorded step.
     means: ``(B, S, ...)`` float32, the sampling policy's SDE mean of each recorded step (for
-        GRPO-Guard's ratio normalisation, ``genrl.grpo.guarded_log_ratio``).
+        GRPO-Guard's ratio normalisation, ``genrl.grpo.guarded_log_ratio``); None unless the
+        config's ``record_means``.
     timesteps, sigmas, sigmas_next, log_probs: ``(B, S)`` float32.
     step_indices: ``(B, S)`` long, which denoising step each record is.
     sigma_max: the schedule's second sigma (see ``genrl.sde.flow_sde_std``).
@@ -193,7 +197,8 @@ def sample_rollout(
             next_latents[rows] = out.next_sample
             if is_stochastic:
                 for j, r in enumerate(rows):
-                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j], out.mean[j]))
+                    mean = out.mean[j] if config.record_means else None
+                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j], mean))
         latents = next_latents
 
     # Decoded one sample at a time (bounded VAE memory, batch-independent), straight to the CPU.
@@ -224,7 +229,7 @@ def _stack_records(
         latents = torch.stack([torch.stack([rec[0] for rec in r]) for r in records])
         next_latents = torch.stack([torch.stack([rec[1] for rec in r]) for r in records])
         log_probs = torch.stack([torch.stack([rec[3] for rec in r]) for r in records])
-        means = torch.stack([torch.stack([rec[4] for rec in r]) for r in records])
+        means = torch.stack([torch.stack([rec[4] for rec in r]) for r in records]) if records[0][0][4] is not None else None
     return Rollout(
         prompts=list(prompts),
         group_indices=list(group_indices),

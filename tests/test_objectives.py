@@ -1,6 +1,8 @@
 """Per-micro-batch losses of each objective on tiny models of every family: what the
 likelihood-free objectives train on, and that they are on-policy at the start of an epoch."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -150,6 +152,9 @@ def test_guarded_grpo_step_is_on_policy_and_moves_with_the_recorded_means(polici
     through index/concat), and drops off 1 when the recorded means are not the policy's."""
     policy = policies["sd3"]
     rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)
+    assert rollout.means is None, "means are recorded only when asked"
+    config = dataclasses.replace(config, record_means=True)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=3, epoch=1, config=config, device="cpu")
     joined = concat_rollouts([index_rollout(rollout, [2, 3]), index_rollout(rollout, [0, 1])])
     assert joined.means.shape == joined.latents.shape
     idx, steps, adv = torch.tensor([0, 3]), torch.tensor([1, 0]), torch.tensor([1.0, 2.0, 3.0, 4.0])
