@@ -166,15 +166,27 @@ def error_lines(proc) -> list[str]:
     return proc.stderr.decode(errors="replace").strip().split("\n")
 
 
+def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3, prompt_file, tmp_path):
+    """The script as a user runs it: exit status 2 and one line, nothing else on stderr."""
+    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--group_size", "3"))
+    lines = error_lines(proc)
+    assert proc.returncode == 2 and len(lines) == 1, lines
+    # A value that passes every check, not one that fails on the next.
+    assert lines[0].startswith("train_genrl.py: error: ") and "--rollout_batch_size 6" in lines[0]
+
+
 @pytest.mark.parametrize("extra, flag", [
-    (["--group_size", "3"], "--rollout_batch_size 6"),  # a value that passes every check
     (["--train_batch_size", "3"], "--train_batch_size 2"),
     (["--group_size", "three"], "--group_size"),  # argparse's own errors are one line too
 ])
-def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3, prompt_file, tmp_path, extra, flag):
-    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
-    lines = error_lines(proc)
-    assert proc.returncode == 2 and len(lines) == 1, lines
+def test_other_bad_flags_are_one_line_too(tiny_sd3, prompt_file, tmp_path, capsys, extra, flag):
+    """The same parser in-process (a launch per case costs a full import of the script)."""
+    import train_genrl
+
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
+    lines = capsys.readouterr().err.strip().split("\n")
+    assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("train_genrl.py: error: ") and flag in lines[0] and "usage" not in lines[0]
 
 
