@@ -105,22 +105,25 @@ def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
     )
 
 
+# The sizes of every tiny T5-family encoder (SD3's and FLUX's T5, Wan's UMT5).
+_TINY_T5 = dict(
+    vocab_size=len(TINY_VOCAB),
+    d_model=32,
+    d_kv=8,
+    d_ff=32,
+    num_layers=1,
+    num_heads=2,
+    relative_attention_num_buckets=8,
+    relative_attention_max_distance=16,
+    dropout_rate=0.0,
+    pad_token_id=0,
+    eos_token_id=1,
+)
+
+
 def _t5_encoder() -> T5EncoderModel:
     """T5 v1.1-style encoder (gated-gelu), d_model 32: SD3's third and FLUX's second text encoder."""
-    config = T5Config(
-        vocab_size=len(TINY_VOCAB),
-        d_model=32,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        feed_forward_proj="gated-gelu",
-        pad_token_id=0,
-        eos_token_id=1,
-    )
+    config = T5Config(**_TINY_T5, feed_forward_proj="gated-gelu")
     return T5EncoderModel(config)
 
 
@@ -156,19 +159,7 @@ def _build_wan() -> WanPipeline:
         latents_mean=[-0.75, -0.7, -0.9, 0.1],
         latents_std=[2.8, 1.45, 2.3, 2.65],
     )
-    text_config = UMT5Config(
-        vocab_size=len(TINY_VOCAB),
-        d_model=32,
-        d_kv=8,
-        d_ff=32,
-        num_layers=1,
-        num_heads=2,
-        relative_attention_num_buckets=8,
-        relative_attention_max_distance=16,
-        dropout_rate=0.0,
-        pad_token_id=0,
-        eos_token_id=1,
-    )
+    text_config = UMT5Config(**_TINY_T5)
     transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
