@@ -3,7 +3,7 @@ steps and wall time, for several seeds, beside two ceilings.
 
 Each (objective, seed) is one real ``train_genrl.py`` run (one process) on the no-argument
 run's settings, with ``--objective`` (and what the no-argument run changes with it: its
-sampler and learning rate, ``train_genrl.DEFAULT_RUN_BY_OBJECTIVE``) and ``--seed`` changed (the run seed: prompts, noise and
+sampler and learning rate, ``train_args.DEFAULT_RUN_BY_OBJECTIVE``) and ``--seed`` changed (the run seed: prompts, noise and
 trained timesteps; evaluation always uses the same prompts and noise). Runs go ``--jobs`` at
 a time, each with cores / jobs torch threads. The figures come from each run's
 ``logs/metrics.jsonl`` (``eval/toy_geneval_mean`` and ``time/elapsed_s``, wall time since the
@@ -43,14 +43,14 @@ from common import ROOT, emit
 
 OBJECTIVES = ("grpo", "nft", "awm")
 def objective_args(objective: str) -> list[str]:
-    """``--objective`` and what the no-argument run changes with it (train_genrl's
+    """``--objective`` and what the no-argument run changes with it (genrl.train_args's
     DEFAULT_RUN_BY_OBJECTIVE: the sampler each objective needs, its learning rate), as flags,
     so that the tiny-model settings sample each objective as the toy run does; a setting's own
     arguments come after and win."""
-    import train_genrl
+    from genrl import train_args
 
     flags = ["--objective", objective]
-    for key, value in train_genrl.DEFAULT_RUN_BY_OBJECTIVE[objective].items():
+    for key, value in train_args.DEFAULT_RUN_BY_OBJECTIVE[objective].items():
         if isinstance(value, bool):
             flags.append(f"--{key}" if value else f"--no-{key}")
         else:
@@ -200,12 +200,12 @@ def summarize(objective: str, curves: list[dict]) -> dict:
 def eval_setting(batches: tuple[int, int] | None = None):
     """The held-out prompts and evaluation settings of the no-argument run; ``batches`` =
     (max_batches, batch_size) overrides its evaluation size."""
-    import train_genrl
+    from genrl import train_args
     from genrl.data import load_prompts
     from genrl.rewards import build_reward_fn
     from genrl.rollout import SamplingConfig
 
-    run = dict(train_genrl.DEFAULT_RUN)
+    run = dict(train_args.DEFAULT_RUN)
     if batches is not None:
         run["eval_max_batches"], run["eval_batch_size"] = batches
     prompts = load_prompts(run["eval_prompt_dataset"])
@@ -227,9 +227,9 @@ def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None) -
 def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None) -> dict:
     """Mean over held-out prompts of the best of ``k`` base-model samples (seeds 0..k-1)."""
     from genrl.policies import load_policy
-    import train_genrl
+    from genrl import train_args
 
-    policy = load_policy(train_genrl.DEFAULT_MODEL).to("cpu")
+    policy = load_policy(train_args.DEFAULT_MODEL).to("cpu")
     per_seed = [held_out_scores(policy, seed, batches) for seed in range(k)]
     best = [max(scores) for scores in zip(*per_seed)]
     return {"bench": "learning", "ceiling": f"best_of_{k}", "score": statistics.fmean(best),
@@ -244,11 +244,11 @@ def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None) -> di
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import pretrain_toy_model as pretrain
-    import train_genrl
+    from genrl import train_args
     from genrl.policies import policy_for_pipeline
     from genrl.toy_scenes import all_specs, is_test_combination
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(train_genrl.DEFAULT_MODEL)
+    pipe = StableDiffusion3Pipeline.from_pretrained(train_args.DEFAULT_MODEL)
     pipe.set_progress_bar_config(disable=True)
     options = pretrain.parse_args(["--steps", str(steps), "--learning_rate", "3e-4", "--warmup_steps", "0",
                                    "--log_every", str(max(1, steps // 4))] + (["--batch_size", "8"] if steps < 10 else []))

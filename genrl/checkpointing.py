@@ -27,7 +27,6 @@ import os
 import re
 import shlex
 import shutil
-import tempfile
 from typing import Any
 
 import torch
@@ -147,22 +146,6 @@ def check_resumable(path: str, identity: dict[str, Any]) -> None:
             f"Cannot resume from {path}: it belongs to another run ({'; '.join(differences)}); "
             f"resume with that run's arguments, or {FRESH_START}."
         )
-
-
-def check_writable(folder: str) -> None:
-    """A file can be written in ``folder``, or in its deepest existing parent when it does not
-    exist yet (nothing is created here); else one sentence saying why not: found now rather
-    than at the first checkpoint, after the models loaded."""
-    existing = folder
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    try:
-        if not os.path.isdir(existing):
-            raise NotADirectoryError(f"{existing} is a file")
-        with tempfile.TemporaryFile(dir=existing):
-            pass
-    except OSError as e:
-        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
 
 
 def prepare_output_dir(

@@ -105,8 +105,7 @@ def epoch_advantages(
     rewards: dict[str, torch.Tensor],
     weights: dict[str, float],
     *,
-    group_size: int,
-    groups_per_rank: int,
+    group_ids: torch.Tensor,
     reward_combine: str,
     std_mode: str,
     adv_clip_max: float,
@@ -114,15 +113,14 @@ def epoch_advantages(
     micro_batch_size: int,
 ) -> EpochAdvantages:
     """Phase 5: gather ``rewards`` (``{name: (B,)}`` on each process, B the same everywhere)
-    from every process, normalise them per prompt group (process p holds groups
-    ``p * groups_per_rank`` onwards, ``group_size`` samples each, in order), clip at
+    from every process, normalise them per prompt group (``group_ids``: ``(B,)`` long, the
+    epoch-wide group of each local sample, ``PromptGroupSampler.group_ids``), clip at
     ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``."""
     device = accelerator.device
     names = list(weights)
     n_local = len(rewards[names[0]])
-    local_groups = torch.arange(n_local) // group_size + accelerator.process_index * groups_per_rank
     gathered = {name: accelerator.gather(rewards[name].to(device)).cpu() for name in names}
-    group_ids = accelerator.gather(local_groups.to(device)).cpu()
+    group_ids = accelerator.gather(group_ids.to(device)).cpu()
     advantages = clip_advantages(
         combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
     )

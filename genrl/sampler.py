@@ -148,3 +148,11 @@ class PromptGroupSampler:
         samples = [(prompt, k) for prompt in groups for k in range(self.group_size)]
         size = self.batch_size
         return [samples[i : i + size] for i in range(0, len(samples), size)]
+
+    def group_ids(self) -> torch.Tensor:
+        """``(B,)`` long: the epoch-wide group of each of this rank's samples, in the order of
+        ``batches`` (B = batch_size * batches_per_epoch). Groups are numbered by position in the
+        epoch's draw, not by prompt, so a prompt drawn twice makes two groups; rank r holds groups
+        ``r * groups_per_rank`` to ``(r + 1) * groups_per_rank - 1``, ``group_size`` samples each."""
+        first = self.rank * self.groups_per_rank
+        return torch.arange(first, first + self.groups_per_rank).repeat_interleave(self.group_size)

@@ -12,7 +12,7 @@ import torch
 
 from conftest import ROOT, script_env, script_errors
 
-import train_genrl
+from genrl import train_args
 from genrl.data import load_prompts
 
 
@@ -24,7 +24,7 @@ def args_with(model, prompts, output_dir, *extra):
 
 def parse_error(capsys, argv) -> str:
     with pytest.raises(SystemExit) as exit_info:
-        train_genrl.parse_args(argv)
+        train_args.parse_args(argv)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("train_genrl.py: error: ") or ": error: " in error
@@ -52,7 +52,7 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     message = parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", str(path)))
     assert message == f"--reward_options file {str(path)!r} is not valid JSON: Expecting value at line 1 column 38."
     path.write_text('{"jpeg_compressibility": {"quality": 50}}')
-    train_genrl.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", str(path)))
+    train_args.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", str(path)))
 
 
 @pytest.mark.parametrize("extra, expected", [
@@ -79,7 +79,7 @@ def test_an_output_dir_that_cannot_be_written_is_refused(tiny_sd3, prompt_file, 
     out = str(blocker / "out")
     message = parse_error(capsys, args_with(tiny_sd3, prompt_file, out))
     assert message == f"--output_dir {out!r} cannot be written to ({blocker} is a file); choose another folder."
-    train_genrl.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "fine" / "out")))
+    train_args.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "fine" / "out")))
     assert not os.path.exists(tmp_path / "fine"), "parsing the arguments created the folder"
     if os.geteuid() != 0:  # root writes anywhere
         locked = tmp_path / "locked"

@@ -2,8 +2,8 @@
 
 import pytest
 
-import train_genrl
-from train_genrl import DEFAULT_RUN, DEFAULT_RUN_BY_OBJECTIVE, parse_args
+from genrl import train_args
+from genrl.train_args import DEFAULT_RUN, DEFAULT_RUN_BY_OBJECTIVE, parse_args
 
 
 def test_no_argument_run_uses_its_objective_and_that_objectives_sampler():
@@ -11,7 +11,7 @@ def test_no_argument_run_uses_its_objective_and_that_objectives_sampler():
     assert args.objective == DEFAULT_RUN["objective"]
     for key, value in DEFAULT_RUN_BY_OBJECTIVE[args.objective].items():
         assert getattr(args, key) == value, key
-    assert args.pretrained_model_name_or_path == train_genrl.DEFAULT_MODEL
+    assert args.pretrained_model_name_or_path == train_args.DEFAULT_MODEL
 
 
 @pytest.mark.parametrize("objective", sorted(DEFAULT_RUN_BY_OBJECTIVE))
@@ -32,7 +32,7 @@ def test_flags_on_the_command_line_win_over_the_default_run():
 def test_a_users_own_model_gets_the_plain_defaults_not_the_toy_run(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("a red circle\n")
-    args = parse_args(["--pretrained_model_name_or_path", train_genrl.DEFAULT_MODEL, "--prompt_dataset", str(prompts),
+    args = parse_args(["--pretrained_model_name_or_path", train_args.DEFAULT_MODEL, "--prompt_dataset", str(prompts),
                        "--reward_fn", "toy_geneval"])
     assert args.objective == "grpo" and args.noise_level == 0.7 and args.same_latent
     assert args.max_train_steps is None and args.eval_prompt_dataset is None

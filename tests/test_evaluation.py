@@ -177,13 +177,13 @@ def test_keep_samples_are_spread_over_the_evaluated_prompts(policy, reward_fn):
 
 def test_the_default_runs_grid_shows_every_kind_of_toy_prompt():
     """Count scenes and each of the four relations: before/after grids show what training changed."""
-    import train_genrl
+    from genrl import train_args
     from genrl.toy_scenes import parse_caption
 
-    run = train_genrl.DEFAULT_RUN
+    run = train_args.DEFAULT_RUN
     with open(run["eval_prompt_dataset"]) as f:
         prompts = [line.strip() for line in f if line.strip()][: run["eval_batch_size"] * run["eval_max_batches"]]
-    shown = spread_indices(len(prompts), train_genrl.build_parser().get_default("eval_log_samples"))
+    shown = spread_indices(len(prompts), train_args.build_parser().get_default("eval_log_samples"))
     kinds = lambda indices: {parse_caption(prompts[i]).relation for i in indices}  # noqa: E731
     assert kinds(shown) == kinds(range(len(prompts))) and len(kinds(shown)) == 5
 

@@ -8,7 +8,8 @@ import pytest
 
 from conftest import ROOT
 
-import train_genrl
+from genrl import train_args
+from genrl.rewards import load_reward_options
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.sh")))
 
@@ -24,9 +25,9 @@ def test_recipe_flags_parse(path, monkeypatch):
     text = expand_defaults(open(path).read()).replace("\\\n", " ")
     line = next(l for l in text.splitlines() if "train_genrl.py" in l)
     words = shlex.split(line.replace('"$@"', ""))
-    args = train_genrl.parse_args(words[words.index("train_genrl.py") + 1 :])
+    args = train_args.parse_args(words[words.index("train_genrl.py") + 1 :])
     assert os.path.isfile(os.path.join(ROOT, args.prompt_dataset)), "the recipe's default prompt file must ship"
-    assert args.reward_options is None or train_genrl.load_reward_options(args.reward_options)
+    assert args.reward_options is None or load_reward_options(args.reward_options)
 
 
 def test_there_are_recipes_for_wan_sd35_and_flux():

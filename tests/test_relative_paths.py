@@ -5,7 +5,6 @@ the working directory (``genrl-output``, the default, included), which is what t
 commands do.
 """
 
-import json
 import os
 import re
 import subprocess

@@ -1,6 +1,7 @@
 from collections import defaultdict
 
 import pytest
+import torch
 
 from genrl.sampler import PromptGroupSampler, check_batch_sizes
 
@@ -48,6 +49,24 @@ def test_each_group_is_contiguous_and_complete(num_processes):
             prompt = prompts.pop()
             assert prompt not in seen, "a prompt was drawn twice while prompts remained"
             seen[prompt] = s.rank
+
+
+@pytest.mark.parametrize("num_prompts", [2, 100])
+def test_group_ids_name_each_samples_group_in_batch_order(num_prompts):
+    # With 2 prompts and 6 groups per epoch a prompt is drawn three times: each draw is its own
+    # group, so the advantage of a sample is never normalised against another draw's samples.
+    samplers = _all_ranks(2, num_prompts=num_prompts, group_size=3, batch_size=3, batches_per_epoch=3)
+    all_ids = []
+    for s in samplers:
+        flat = [pair for batch in s.batches(0) for pair in batch]
+        ids = s.group_ids()
+        assert ids.dtype == torch.long and ids.shape == (len(flat),)
+        draw = s.epoch_groups(0)
+        for (prompt, k), group in zip(flat, ids.tolist()):
+            assert draw[group] == prompt
+        assert [k for _, k in flat] == [i % 3 for i in range(len(flat))]
+        all_ids.append(ids)
+    assert torch.cat(all_ids).tolist() == [g for g in range(6) for _ in range(3)]
 
 
 @pytest.mark.parametrize("num_processes", [1, 2, 4])

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, run_script
 
-import train_genrl
+from genrl import train_args
 
 
 def base_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[str]:
@@ -82,7 +82,7 @@ def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file,
 def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_file, tmp_path, capsys, extra, message):
     args = base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)
     with pytest.raises(SystemExit) as exit_info:
-        train_genrl.parse_args(args)
+        train_args.parse_args(args)
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert error.startswith("train_genrl.py: error:") or "error:" in error
@@ -92,9 +92,9 @@ def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_fi
 def test_kl_reference_copy_is_refused_under_zero3(tiny_sd3, prompt_file, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")  # what accelerate launch sets for zero3.yaml
     with pytest.raises(SystemExit):
-        train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1"))
+        train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1"))
     assert "ZeRO-3" in capsys.readouterr().err
-    train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1", "--use_lora"))
+    train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1", "--use_lora"))
 
 
 def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path):
@@ -181,10 +181,10 @@ def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3
 ])
 def test_other_bad_flags_are_one_line_too(tiny_sd3, prompt_file, tmp_path, capsys, extra, flag):
     """The same parser in-process (a launch per case costs a full import of the script)."""
-    import train_genrl
+    from genrl import train_args
 
     with pytest.raises(SystemExit) as exit_info:
-        train_genrl.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
+        train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
     lines = capsys.readouterr().err.strip().split("\n")
     assert exit_info.value.code == 2 and len(lines) == 1, lines
     assert lines[0].startswith("train_genrl.py: error: ") and flag in lines[0] and "usage" not in lines[0]
@@ -212,18 +212,18 @@ def test_hpsv3_without_its_weights_names_the_repos_and_reward_options(tiny_sd3, 
 
 
 def test_every_flag_has_help_and_the_help_explains_the_default_run(capsys):
-    parser = train_genrl.build_parser()
+    parser = train_args.build_parser()
     missing = [a.dest for a in parser._actions if not (a.help or "").strip()]
     assert not missing, f"flags without help: {missing}"
     with pytest.raises(SystemExit):
-        train_genrl.parse_args(["--help"])
+        train_args.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "DEFAULT_RUN" in text and "Passing --pretrained_model_name_or_path leaves all of them" in text
     assert "(default: 8)" in text  # defaults are shown, and they are the plain ones, not DEFAULT_RUN's
     for group in ("model:", "rewards:", "sampling:", "objective and GRPO:", "optimisation:", "LoRA:", "EMA:",
                   "evaluation:", "checkpoints:", "Hub:", "output and logging:"):
         assert f"\n{group}\n" in text, group
-    for key, value in train_genrl.DEFAULT_RUN.items():
+    for key, value in train_args.DEFAULT_RUN.items():
         assert f"--{key} " in text.split("DEFAULT_RUN", 1)[1], key
 
 

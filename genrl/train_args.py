@@ -1,0 +1,392 @@
+"""The trainer's command line: every flag of ``train_genrl.py``, the no-argument run's values,
+and the checks that need no model, so bad input fails with one sentence before anything loads.
+
+``parse_args`` is what the script calls; ``DEFAULT_RUN`` (and ``DEFAULT_RUN_BY_OBJECTIVE``) is
+the no-argument run; ``num_trained_timesteps`` and ``sampling_configs`` turn the flags into the
+numbers and ``SamplingConfig``s the trainer runs with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import tempfile
+
+from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
+from genrl.rollout import SamplingConfig, sde_window_start
+from genrl.sampler import check_batch_sizes
+
+# The repository root: the shipped model and prompts live under genrl/assets.
+GENRL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_MODEL = os.path.join(GENRL_ROOT, "genrl", "assets", "toy-shapes-t2i")
+DEFAULT_TRAIN_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_train.txt")
+DEFAULT_EVAL_PROMPTS = os.path.join(GENRL_ROOT, "genrl", "assets", "prompts", "toy_test.txt")
+# The no-argument run: the shipped toy model and its rule-based reward, sized so that the
+# held-out score rises clearly within about ten minutes on two CPU cores.
+DEFAULT_RUN = dict(
+    pretrained_model_name_or_path=DEFAULT_MODEL,
+    prompt_dataset=DEFAULT_TRAIN_PROMPTS,
+    eval_prompt_dataset=DEFAULT_EVAL_PROMPTS,
+    reward_fn="toy_geneval",
+    # Evaluation also reports the per-category breakdown (weight 0: not in the total).
+    eval_reward_fn="toy_geneval," + ",".join(f"toy_geneval_{c}:0" for c in ("strict", "color", "shape", "count", "position")),
+    objective="nft",
+    guidance_scale=2.0,
+    rollout_batch_size=32,
+    rollout_batches_per_epoch=4,
+    train_batch_size=32,
+    gradient_accumulation_steps=2,
+    max_train_steps=120,
+    eval_steps=20,
+    eval_batch_size=32,
+    eval_max_batches=4,
+)
+# What the no-argument run changes with --objective (bench/bench_learning.py compares them).
+# GRPO needs recorded SDE steps: a 4-step window in the first 8 of 10 steps, one initial noise
+# per group. NFT and AWM train on clean samples: the plain ODE, each sample from its own noise,
+# re-noised at 4 of the 10 schedule steps (the same number of trained timesteps as GRPO's window).
+DEFAULT_RUN_BY_OBJECTIVE = {
+    "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4),
+    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.4),
+    "awm": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.4),
+}
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose errors are one line: the usage block (80 lines here) would bury
+    the sentence that says what to change; ``--help`` still shows it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, an off switch),
+    and keeps the epilog's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def default_run_epilog() -> str:
+    """The --help epilog: what the no-argument run sets (DEFAULT_RUN), shipped paths made relative."""
+    shown = {k: os.path.relpath(v, GENRL_ROOT) if isinstance(v, str) and v.startswith(GENRL_ROOT) else v
+             for k, v in {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[DEFAULT_RUN["objective"]]}.items()}
+    lines = [
+        f"  --{k}" if v is True else f"  --no-{k}" if v is False
+        else f"  --{k} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        for k, v in shown.items()
+    ]
+    others = "; ".join(
+        f"{o}: " + ", ".join(f"{k} {v}" for k, v in values.items())
+        for o, values in DEFAULT_RUN_BY_OBJECTIVE.items() if o != DEFAULT_RUN["objective"]
+    )
+    return (
+        "Without --pretrained_model_name_or_path the run is the embedded default (DEFAULT_RUN in\n"
+        "genrl/train_args.py): the shipped toy model, its prompts and reward, with these values in place\n"
+        "of the defaults shown above (any flag you pass still wins):\n" + "\n".join(lines) + "\n"
+        f"With another --objective the toy run samples as that objective needs ({others}).\n"
+        "Passing --pretrained_model_name_or_path leaves all of them: the defaults above apply, and\n"
+        "--prompt_dataset and --reward_fn become required."
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every flag of the trainer, in groups, each with a line of help and its default."""
+    parser = OneLineErrorParser(
+        prog="train_genrl.py",
+        usage="%(prog)s [--flag VALUE ...]   (flags below, by group)",
+        description="GRPO fine-tuning of flow-matching image and video generators (Wan, SD3, FLUX).",
+        epilog=default_run_epilog(),
+        formatter_class=HelpFormatter,
+    )
+    group = parser.add_argument_group("model")
+    group.add_argument("--pretrained_model_name_or_path", type=str, default=None,
+                       help="Diffusers pipeline folder or Hub id (Wan, SD3, FLUX). Default: the shipped toy model "
+                            "and the rest of DEFAULT_RUN (see the end of this help).")
+    group.add_argument("--revision", type=str, default=None, help="Hub revision (branch, tag or commit) of the model.")
+    group.add_argument("--variant", type=str, default=None, help='Weight file variant to load, e.g. "fp16".')
+
+    group = parser.add_argument_group("data")
+    group.add_argument("--prompt_dataset", type=str, default=None,
+                       help="Training prompts: .txt (one per line), .jsonl/.csv with --prompt_column, a saved dataset or a Hub dataset.")
+    group.add_argument("--eval_prompt_dataset", type=str, default=None,
+                       help="Held-out prompts for evaluation (default: the --eval_split of --prompt_dataset if it has one).")
+    group.add_argument("--prompt_column", type=str, default="prompt",
+                       help="Column holding the prompt in .jsonl/.csv/datasets; other columns reach rewards as metadata.")
+    group.add_argument("--train_split", type=str, default="train", help="Split of a dataset used for training.")
+    group.add_argument("--eval_split", type=str, default="test", help="Split of a dataset used for evaluation.")
+
+    group = parser.add_argument_group("rewards")
+    group.add_argument("--reward_fn", type=str, default=None,
+                       help='Rewards and weights, "name:weight,name:weight" (registered names or package.module:function).')
+    group.add_argument("--reward_options", type=str, default=None,
+                       help='JSON (or a .json file) of per-reward options, e.g. {"hpsv3": {"checkpoint": "...", "base_model": "..."}}.')
+    group.add_argument("--reward_mode", choices=["async", "sync"], default="async",
+                       help="async: score batch i in a thread while batch i+1 denoises (reward models on --reward_device). "
+                            "sync: reward models on the training device, scored after all rollouts of the epoch.")
+    group.add_argument("--reward_device", type=str, default="cpu", help="Device of reward models in async mode.")
+    group.add_argument("--reward_workers", type=int, default=1, help="Threads scoring rollout batches in async mode.")
+    group.add_argument("--reward_clear_before_train", action="store_true",
+                       help="Free reward models before the policy update and rebuild them next epoch (tight memory).")
+    group.add_argument("--reward_combine", choices=["sum", "normalize_each"], default="sum",
+                       help="sum: normalise the weighted sum of rewards; normalize_each: normalise each reward, then sum with weights.")
+
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--seed", type=int, default=42, help="Run seed: with the epoch and prompt it fixes every sample.")
+    group.add_argument("--resolution", type=int, default=None, help="Square size; or set --height/--width.")
+    group.add_argument("--height", type=int, default=None, help="Sample height in pixels (default: the model's).")
+    group.add_argument("--width", type=int, default=None, help="Sample width in pixels (default: the model's).")
+    group.add_argument("--num_frames", type=int, default=None, help="Video frames (video models; default: the model's).")
+    group.add_argument("--num_inference_steps", type=int, default=10, help="Denoising steps per sample.")
+    group.add_argument("--guidance_scale", type=float, default=4.5, help="Classifier-free guidance scale (1: off).")
+    group.add_argument("--negative_prompt", type=str, default="", help="Negative prompt for classifier-free guidance.")
+    group.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
+    group.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde",
+                       help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one.")
+    group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
+    group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
+                       help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")
+    group.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
+                       help="All K samples of a prompt start from the same noise.")
+
+    group = parser.add_argument_group("objective and GRPO")
+    group.add_argument("--objective", choices=["grpo", "nft", "awm"], default=None,
+                       help="Default grpo (the no-argument run: nft). grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
+                            "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
+                            "samples noised again (any sampler, no log-probs).")
+    group.add_argument("--nft_beta", type=float, default=1.0,
+                       help="NFT's step size beta: how far the implicit positive/negative policies sit from the sampling one.")
+    group.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
+    group.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
+    group.add_argument("--rollout_batches_per_epoch", type=int, default=2, help="Rollout batches per process per epoch.")
+    group.add_argument("--num_inner_epochs", type=int, default=1, help="Passes over an epoch's samples.")
+    group.add_argument("--timestep_fraction", type=float, default=1.0,
+                       help="Fraction of the timesteps trained on per sample: of the stochastic steps (grpo), "
+                            "of the sampling steps (nft, awm).")
+    group.add_argument("--no_timestep_shuffle", action="store_true", help="Train on the first steps, in order.")
+    group.add_argument("--clip_range", type=float, default=1e-3, help="PPO clip range of the probability ratio.")
+    group.add_argument("--adv_clip_max", type=float, default=5.0, help="Advantages are clipped to [-this, this].")
+    group.add_argument("--std_mode", choices=["group", "global", "max_group"], default="group",
+                       help="Whose standard deviation normalises the advantages: the prompt group's, the epoch's, "
+                            "or the largest group's.")
+    group.add_argument("--beta", type=float, default=0.0, help="KL weight against the reference policy.")
+    group.add_argument("--kl_form", choices=["transition", "sde_variance"], default="transition",
+                       help="GRPO's KL: transition = KL of the two Gaussian steps, / 2 (std_t sqrt|dt|)^2 (Flow-GRPO's Wan "
+                            "script, Flash-GRPO); sde_variance = / 2 std_t^2 (Flow-GRPO's SD3 script), i.e. x |dt|.")
+    group.add_argument("--grpo_guard", action="store_true",
+                       help="GRPO-Guard's normalised ratio: s (logp - logp_old) + mean((mu - mu_old)^2) / (2s), the SDE "
+                            "ratio's negative bias removed and the timesteps evened out (flow_sde only).")
+    group.add_argument("--filter_zero_advantage", action="store_true",
+                       help="Drop zero-advantage samples (every rank keeps the same count).")
+
+    group = parser.add_argument_group("optimisation")
+    group.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
+    group.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                       help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
+    group.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW learning rate.")
+    group.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW beta1.")
+    group.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2.")
+    group.add_argument("--adam_weight_decay", type=float, default=1e-4, help="AdamW weight decay.")
+    group.add_argument("--adam_epsilon", type=float, default=1e-8, help="AdamW epsilon.")
+    group.add_argument("--max_grad_norm", type=float, default=1.0, help="Gradient norm clipping threshold.")
+    group.add_argument("--lr_scheduler", type=str, default="constant",
+                       help='diffusers scheduler name: "constant", "constant_with_warmup", "linear", "cosine", ...')
+    group.add_argument("--lr_warmup_steps", type=int, default=0, help="Warm-up optimizer steps of the scheduler.")
+    group.add_argument("--num_epochs", type=int, default=100, help="Stop after this many epochs (or --max_train_steps).")
+    group.add_argument("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
+
+    group = parser.add_argument_group("memory and speed")
+    group.add_argument("--mixed_precision", choices=["no", "fp16", "bf16"], default=None,
+                       help="Autocast precision (default: the accelerate config's); the SDE math stays fp32.")
+    group.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
+    group.add_argument("--gradient_checkpointing", action="store_true",
+                       help="Recompute the transformer's activations in the backward pass (less memory, slower).")
+
+    group = parser.add_argument_group("LoRA")
+    group.add_argument("--use_lora", action="store_true", help="Train a LoRA adapter instead of every transformer weight.")
+    group.add_argument("--rank", type=int, default=32, help="LoRA rank.")
+    group.add_argument("--lora_alpha", type=int, default=64, help="LoRA alpha (scale = alpha / rank).")
+    group.add_argument("--lora_target_modules", type=str, default="to_q,to_k,to_v,to_out.0",
+                       help="Comma-separated module names (suffixes) to adapt.")
+
+    group = parser.add_argument_group("EMA")
+    group.add_argument("--use_ema", action="store_true", help="Keep an fp32 EMA of the trained weights (used by eval and export).")
+    group.add_argument("--ema_decay", type=float, default=0.9, help="EMA decay per update.")
+    group.add_argument("--ema_update_interval", type=int, default=8,
+                       help="Update the EMA every N optimizer steps (the global step count, not micro batches).")
+    group.add_argument("--ema_warmup", action="store_true", help="Ramp the decay up from 0 over the first updates.")
+    group.add_argument("--ema_device", type=str, default=None, help="Where the fp32 shadow lives (default: with the weights).")
+
+    group = parser.add_argument_group("evaluation")
+    group.add_argument("--eval_steps", type=int, default=None,
+                       help="Evaluate before training, then at the end of each epoch that passed a multiple of this many steps.")
+    group.add_argument("--eval_max_batches", type=int, default=4, help="Evaluate on at most this many batches of prompts.")
+    group.add_argument("--eval_batch_size", type=int, default=8, help="Prompts per evaluation batch (all processes together).")
+    group.add_argument("--eval_num_inference_steps", type=int, default=None, help="Evaluation steps (default: --num_inference_steps).")
+    group.add_argument("--eval_guidance_scale", type=float, default=None, help="Evaluation guidance (default: --guidance_scale).")
+    group.add_argument("--eval_seed", type=int, default=0, help="Seed of the evaluation noise (the same at every evaluation).")
+    group.add_argument("--eval_reward_fn", type=str, default=None,
+                       help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
+    group.add_argument("--eval_log_samples", type=int, default=8,
+                       help="Evaluation samples shown in the logged grid, evenly spaced over the evaluated prompts.")
+    group.add_argument("--eval_video_fps", type=float, default=16.0, help="Frame rate of the evaluation MP4s (video models).")
+
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--checkpointing_steps", type=int, default=None,
+                       help="Checkpoint at the end of each epoch in which the optimizer step count passed a multiple of this.")
+    group.add_argument("--checkpoints_total_limit", type=int, default=None,
+                       help="Keep at most this many checkpoints (the oldest is removed after a new one is complete).")
+    group.add_argument("--resume_from_checkpoint", type=str, default=None, help='"latest" or a checkpoint folder.')
+    group.add_argument("--overwrite_output_dir", action="store_true", help="Start afresh: remove the checkpoints and metrics already in --output_dir.")
+
+    group = parser.add_argument_group("Hub")
+    group.add_argument("--push_to_hub", action="store_true", help="Upload the export and its model card at the end.")
+    group.add_argument("--hub_model_id", type=str, default=None, help="Hub repo to push to (default: the --output_dir name).")
+    group.add_argument("--hub_token", type=str, default=None,
+                       help="Hub token for the upload (never recorded; `hf auth login` or HF_TOKEN keep it off the command line).")
+    group.add_argument("--collective_timeout", type=float, default=1800, help="Seconds a process waits for the others in a collective before the run fails (a hung or stopped rank).")
+    group.add_argument("--hub_private", action="store_true", help="Create the Hub repo private.")
+    group.add_argument("--push_checkpoints", action="store_true", help="Also push each checkpoint (in the background).")
+
+    group = parser.add_argument_group("output and logging")
+    group.add_argument("--output_dir", type=str, default="genrl-output", help="Where the export, samples, logs and checkpoints go.")
+    group.add_argument("--logging_dir", type=str, default="logs", help="Folder of metrics.jsonl and tracker logs, inside --output_dir.")
+    group.add_argument("--report_to", type=str, default="tensorboard", help='"tensorboard", "wandb", "all" or "none".')
+    group.add_argument("--tracker_project_name", type=str, default="genrl", help="Project name for the trackers.")
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    known = parser.parse_known_args(argv)[0]
+    if known.pretrained_model_name_or_path is None:
+        objective = known.objective or DEFAULT_RUN["objective"]
+        # Flags given on the command line still win over these defaults.
+        parser.set_defaults(**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective])
+    args = parser.parse_args(argv)
+    args.objective = args.objective or "grpo"
+    try:
+        validate_args(args)
+    except (ValueError, FileNotFoundError) as e:
+        parser.error(str(e))  # one line (OneLineErrorParser), exit status 2
+    return args
+
+
+def validate_args(args) -> None:
+    """Every check that needs no model, so bad input fails before any model loads, with one sentence."""
+    model = args.pretrained_model_name_or_path
+    looks_local = os.path.isabs(model) or model.startswith(".") or os.path.exists(model) or model.count("/") > 1
+    if looks_local and not os.path.isdir(model):
+        raise FileNotFoundError(f"--pretrained_model_name_or_path {model!r} is not a folder (nor a Hub id like 'org/name').")
+    if args.prompt_dataset is None:
+        raise ValueError("--prompt_dataset is required with your own model (a .txt file with one prompt per line works).")
+    if args.reward_fn is None:
+        raise ValueError('--reward_fn is required with your own model, e.g. --reward_fn "hpsv3:1.0".')
+    parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
+    args.eval_reward_fn = args.eval_reward_fn or args.reward_fn
+    parse_reward_spec(args.eval_reward_fn)
+    check_reward_options(load_reward_options(args.reward_options), [args.reward_fn, args.eval_reward_fn])
+    if args.resolution is not None:
+        args.height = args.height or args.resolution
+        args.width = args.width or args.resolution
+    num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    check_batch_sizes(
+        group_size=args.group_size,
+        train_batch_size=args.rollout_batch_size,
+        num_processes=num_processes,
+        batches_per_epoch=args.rollout_batches_per_epoch,
+        train_micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+    )
+    if not 0 < args.timestep_fraction <= 1:
+        raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")
+    if not math.isfinite(args.noise_level) or args.noise_level < 0:
+        raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {args.noise_level}.")
+    if args.num_inference_steps < 1:
+        raise ValueError(f"--num_inference_steps must be at least 1, got {args.num_inference_steps}.")
+    if args.objective == "grpo" and args.num_inference_steps < 2:
+        raise ValueError(
+            "--objective grpo trains on stochastic steps and the last sampling step is always deterministic, "
+            f"so it needs --num_inference_steps >= 2 (got {args.num_inference_steps})."
+        )
+    if args.objective == "grpo" and not args.noise_level > 0:
+        raise ValueError(
+            f"--objective grpo trains on stochastic steps and needs --noise_level > 0 (got {args.noise_level}); "
+            "--objective nft or awm train with any sampler, deterministic included."
+        )
+    if args.grpo_guard and (args.objective != "grpo" or args.sde_type != "flow_sde"):
+        raise ValueError(
+            f"--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective {args.objective} "
+            f"with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."
+        )
+    if args.objective == "nft" and not args.nft_beta > 0:
+        raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
+    if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
+        raise ValueError(
+            f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
+            f"({args.num_inference_steps - 1}): the last step is always deterministic."
+        )
+    if args.sde_window_size and args.sde_window_range:  # the window must fit its range (the rollout's own check)
+        window = SamplingConfig(num_inference_steps=args.num_inference_steps, sde_window_size=args.sde_window_size,
+                                sde_window_range=tuple(args.sde_window_range))
+        sde_window_start("", args.seed, 0, args.num_inference_steps, window)
+    # accelerate launch exports the config's ZeRO stage, so this is known before any model loads.
+    if args.beta > 0 and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValueError(
+            "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
+            "use --use_lora (the reference is the adapter switched off) or --beta 0."
+        )
+    if not args.collective_timeout > 0:
+        raise ValueError(f"--collective_timeout must be a number of seconds > 0, got {args.collective_timeout}.")
+    if args.overwrite_output_dir and args.resume_from_checkpoint:
+        raise ValueError("--overwrite_output_dir starts afresh and --resume_from_checkpoint continues: give one of them.")
+    # Absolute from here on: samples, plots, checkpoints and the card are paths inside it, and
+    # a relative one would be resolved against it a second time (genrl-output/genrl-output/...).
+    args.output_dir = os.path.abspath(args.output_dir)
+    check_writable(args.output_dir)
+    if args.push_to_hub and not args.hub_model_id:
+        args.hub_model_id = os.path.basename(args.output_dir)
+
+
+def check_writable(folder: str) -> None:
+    """A file can be written in ``folder``, or in its deepest existing parent when it does not
+    exist yet (nothing is created here); else one sentence saying why not: found now rather
+    than at the first checkpoint, after the models loaded."""
+    existing = folder
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    try:
+        if not os.path.isdir(existing):
+            raise NotADirectoryError(f"{existing} is a file")
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ValueError(f"--output_dir {folder!r} cannot be written to ({e.strerror or e}); choose another folder.") from None
+
+
+def num_trained_timesteps(args) -> int:
+    """Timesteps each sample trains on: a fraction of the recorded SDE steps (grpo: the window,
+    or every step but the last, sigma' = 0) or of the sampling steps (nft, awm)."""
+    steps = (args.sde_window_size or args.num_inference_steps - 1) if args.objective == "grpo" else args.num_inference_steps
+    return max(1, int(steps * args.timestep_fraction + 1e-6))
+
+
+def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
+    """How rollouts are sampled, and how evaluation samples (deterministic: noise level 0, its
+    own steps and guidance, defaulting to the rollouts')."""
+    common = dict(height=args.height, width=args.width, num_frames=args.num_frames, negative_prompt=args.negative_prompt)
+    sampling = SamplingConfig(
+        num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
+        sde_type=args.sde_type, sde_window_size=args.sde_window_size,
+        sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
+        same_latent=args.same_latent, record_means=args.grpo_guard, **common,
+    )
+    eval_sampling = SamplingConfig(
+        num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
+        guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
+        noise_level=0.0, **common,
+    )
+    return sampling, eval_sampling
