@@ -31,7 +31,7 @@ RUNS = {
     "zero2": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero2"]),
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
     "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick"]),
-    "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "1"]),
+    "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2"]),
 }
 
 
