@@ -30,7 +30,7 @@ silence_known_noise()  # before the libraries below load: some warn on import
 
 from diffusers.optimization import get_scheduler
 from genrl.checkpointing import (
-    export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
+    checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
@@ -46,7 +46,9 @@ from genrl.redact import redact_argv
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
 from genrl.sampler import PromptGroupSampler
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
-from genrl.train_logging import EvalPlan, crossed, evaluate_and_log, log_metrics
+from genrl.objectives import reference_model
+from genrl.reward_watch import RewardWatch, watched_rewards
+from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
 from genrl.update import UpdateConfig, update_policy
 
@@ -117,8 +119,10 @@ def main(args):
         eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=reward_device,
                                               options=reward_options)
     reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
-    # The KL reference: under LoRA the adapter switched off; for full fine-tuning a frozen copy.
-    ref_transformer = frozen_copy(policy.transformer, device, weight_dtype) if args.beta > 0 and not args.use_lora else None
+    # The KL reference (and the reward watch's): under LoRA the adapter switched off; for full
+    # fine-tuning a frozen copy, kept only when asked for (a second transformer in memory).
+    keep_copy = (args.beta > 0 or args.watch_reference) and not args.use_lora
+    ref_transformer = frozen_copy(policy.transformer, device, weight_dtype) if keep_copy else None
     trainable = make_trainable(
         policy.transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
         lora_target_modules=args.lora_target_modules, gradient_checkpointing=args.gradient_checkpointing,
@@ -146,6 +150,7 @@ def main(args):
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
         max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
+        probe_prompts=args.eval_diversity_prompts, probe_samples=args.eval_diversity_samples,
     )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
@@ -169,8 +174,15 @@ def main(args):
         tracker_config = {k: (v if isinstance(v, (int, float, str, bool)) else str(v)) for k, v in run_config["args"].items()}
         accelerator.init_trackers(args.tracker_project_name, config=tracker_config)
         trim_metrics(metrics_path, first_epoch - 1)  # a resumed run redoes the epochs after its checkpoint
+    has_reference = args.use_lora or ref_transformer is not None
     evaluate_now = partial(evaluate_and_log, eval_plan, policy, model, accelerator, ema=ema, output_dir=args.output_dir,
-                           metrics_path=metrics_path, launch_time=launch_time)
+                           metrics_path=metrics_path, launch_time=launch_time,
+                           reference=partial(reference_model, model, ref_transformer) if has_reference else None)
+    # The reward-hacking watch has seen a resumed run's evaluations (its metrics, trimmed above).
+    trained, held_out = watched_rewards(args.reward_fn, args.eval_reward_fn)
+    watch = RewardWatch.from_metrics(metrics_path if resume_path and accelerator.is_main_process else "", trained=trained,
+                                     held_out=held_out, patience=args.watch_patience,
+                                     diversity_fraction=args.watch_diversity_fraction)
     logger.info(
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
@@ -188,6 +200,7 @@ def main(args):
         initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
     )
     last_eval = evaluate_now(step=global_step, epoch=first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    watch_evaluation(accelerator, watch, last_eval, step=global_step)
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
 
@@ -241,6 +254,14 @@ def main(args):
         done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = evaluate_now(step=global_step, epoch=epoch)
+            alarms = watch_evaluation(accelerator, watch, last_eval, step=global_step)
+            if alarms and args.stop_on_reward_hacking:  # before this epoch's checkpoint: none holds these weights
+                kept = checkpoint_dirs(args.output_dir)
+                raise RewardHackingStop(
+                    f"the reward-hacking watch raised an alarm at step {global_step} ({alarms[0]}); stopped as "
+                    f"--stop_on_reward_hacking asks, without a checkpoint or export after it "
+                    f"({'the last checkpoint before it is ' + kept[-1] if kept else 'no checkpoint was written before it'})."
+                )
         progress.set_postfix_str(progress_postfix(epoch_logs, last_eval))
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
@@ -256,7 +277,8 @@ def main(args):
         raise NonFiniteError(guard.stop_message(global_step))
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
     push_failed = accelerator.is_main_process and not publish_export(
-        args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes
+        args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes,
+        watch_alarms=watch.alarms if watch.history else None,
     )
     accelerator.end_training()
     if push_failed:
@@ -279,7 +301,7 @@ def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_st
 
 
 def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict, is_video: bool,
-                   checkpoint_pushes: list) -> bool:
+                   checkpoint_pushes: list, watch_alarms: list | None) -> bool:
     """Main process, after the export: the training curves and the model card next to it, the
     checkpoint uploads awaited, and with --push_to_hub the upload. False when that failed (the
     local export stays as it is)."""
@@ -287,7 +309,7 @@ def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict
     if os.path.exists(metrics_path):
         images.append(plot_training_curves(metrics_path, os.path.join(args.output_dir, "training_curves.png")))
     write_run_card(args.output_dir, metrics_path, run_config, objective=args.objective, is_video=is_video,
-                   last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id)
+                   last_eval=last_eval, sample_images=images, repo_id=args.hub_model_id, watch_alarms=watch_alarms)
     logger.info(f"Exported to {args.output_dir}")
     for push in checkpoint_pushes:
         if push.exception() is not None:

@@ -63,7 +63,15 @@ Held-out prompts, deterministic sampling, before and after training:
 | reward | mean | std |
 |---|---|---|
 {% for name, mean, std in eval_rows %}| {{ name }} | {{ mean }} | {{ std }} |
-{% endfor %}{% endif %}{% if images %}
+{% endfor %}{% endif %}{% if watch_alarms is not none %}
+## Reward-hacking watch
+
+{% if watch_alarms %}Alarms raised during training (held-out rewards, sample diversity; see `training_curves.png`):
+
+{% for step, sentence in watch_alarms %}- step {{ step }}: {{ sentence }}
+{% endfor %}{% else %}No alarm was raised: no held-out reward fell while the trained one rose, and the diversity
+of a prompt's samples held.
+{% endif %}{% endif %}{% if images %}
 ## Samples
 
 {% for image in images %}![sample {{ loop.index }}]({{ image }})
@@ -191,6 +199,7 @@ def write_model_card(
     baseline_metrics: dict | None = None,
     eval_steps: tuple[int, int] | None = None,
     objective: str = "grpo",
+    watch_alarms: Sequence[tuple[int, str]] | None = None,
 ) -> str:
     """Write ``export_dir/README.md`` and return its path.
 
@@ -217,6 +226,8 @@ def write_model_card(
         eval_steps: the optimizer steps of the two evaluations, for the column titles.
         objective: the ``--objective`` trained with (``grpo``, ``nft``, ``awm``): the method named
             in the text and the tags.
+        watch_alarms: the reward watch's ``(step, sentence)`` alarms (``RewardWatch.alarms``);
+            None (no evaluation ran) leaves the section out, empty says none was raised.
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
@@ -244,6 +255,7 @@ def write_model_card(
         method=METHOD_NAMES.get(objective, objective),
         is_lora=is_lora,
         eval_rows=_eval_rows(eval_metrics),
+        watch_alarms=None if watch_alarms is None else list(watch_alarms),
         before_after_rows=_before_after_rows(baseline_metrics, eval_metrics),
         before_label=f"before (step {eval_steps[0]})" if eval_steps else "before",
         after_label=f"after (step {eval_steps[1]})" if eval_steps else "after",
@@ -267,11 +279,13 @@ def write_run_card(
     last_eval: dict | None,
     sample_images: Sequence[str],
     repo_id: str | None = None,
+    watch_alarms: Sequence[tuple[int, str]] | None = None,
 ) -> str:
     """The card of a training run's final export: base model, rewards, family, settings and
     launch command from ``run_config`` (what ``genrl_config.json`` records), and the held-out
     score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
-    ``eval/*`` values of the last evaluation, when the log holds none). Returns its path."""
+    ``eval/*`` values of the last evaluation, when the log holds none), and the reward watch's
+    ``watch_alarms``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
     return write_model_card(
         export_dir,
@@ -287,4 +301,5 @@ def write_run_card(
         objective=objective,
         repo_id=repo_id,
         pipeline_tag="text-to-video" if is_video else "text-to-image",
+        watch_alarms=watch_alarms,
     )

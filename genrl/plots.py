@@ -89,8 +89,10 @@ def _same_curve(a: list[tuple[int, float]], b: list[tuple[int, float]]) -> bool:
 
 
 def plot_training_curves(metrics_jsonl_path: str, out_png: str) -> str:
-    """Write a PNG with three panels: rewards (each reward's train mean ± std band and its
-    eval mean), KL (approx_kl and kl-to-reference) and clip fraction, over steps.
+    """Write a PNG with four panels: rewards (each reward's train mean ± std band and its
+    eval mean; held-out rewards have only the latter), KL (approx_kl and kl-to-reference), clip
+    fraction, and the reward watch (the evaluation's diversity within a prompt's samples and
+    its drift from the reference, ``eval/velocity_kl``), over steps.
 
     Returns ``out_png``. Raises ``FileNotFoundError`` if the metrics file does not exist.
     """
@@ -108,11 +110,11 @@ def plot_training_curves(metrics_jsonl_path: str, out_png: str) -> str:
 
 
 def training_curves_figure(series: dict[str, list[tuple[int, float]]]) -> Figure:
-    """The three panels of ``plot_training_curves`` from ``read_metrics``' series."""
+    """The four panels of ``plot_training_curves`` from ``read_metrics``' series."""
     # constrained layout makes room for the legends below the axes
-    fig = Figure(figsize=(15, 5.5), dpi=100, layout="constrained")
+    fig = Figure(figsize=(20, 5.5), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    ax_reward, ax_kl, ax_clip = fig.subplots(1, 3)
+    ax_reward, ax_kl, ax_clip, ax_watch = fig.subplots(1, 4)
 
     names = reward_names(series)
     colors = [f"C{i % 10}" for i in range(len(names))]
@@ -132,4 +134,21 @@ def training_curves_figure(series: dict[str, list[tuple[int, float]]]) -> Figure
     _finish(ax_reward, "reward", bool(names))
     _plot_keys(ax_kl, series, _KL_KEYS, "KL")
     _plot_keys(ax_clip, series, _CLIP_KEYS, "clip fraction")
+    _plot_watch(ax_watch, series)
     return fig
+
+
+def _plot_watch(ax, series: dict[str, list[tuple[int, float]]]) -> None:
+    """Diversity on the left axis, the drift from the reference on a right one (other units)."""
+    diversity, drift = series.get("eval/diversity"), series.get("eval/velocity_kl")
+    lines = []
+    if diversity:
+        lines += ax.plot(*_xy(diversity), color="C0", marker="o", markersize=3, label="eval diversity")
+        ax.set_ylabel("diversity (RMS distance)")
+    if drift:
+        right = ax.twinx()
+        lines += right.plot(*_xy(drift), color="C3", linestyle="--", marker="s", markersize=3, label="eval velocity_kl")
+        right.set_ylabel("drift from the reference (velocity_kl)")
+    _finish(ax, "reward watch", bool(lines))
+    if lines:  # one legend for both axes
+        ax.legend(handles=lines, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from dataclasses import dataclass, field, fields
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -146,13 +146,16 @@ def sample_rollout(
     config: SamplingConfig,
     device: torch.device | str,
     initial_latents: torch.Tensor | None = None,
+    on_step: Callable[[torch.Tensor, torch.Tensor, dict, torch.Tensor], None] | None = None,
 ) -> Rollout:
     """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
     with ``transformer`` and record every stochastic step. Decoded samples land on the CPU.
 
     ``initial_latents`` ``(B, *latent_shape)`` replaces the per-sample initial noise (evaluation
     draws its own, sequentially from one generator); the SDE noise still comes from the
-    per-sample generators."""
+    per-sample generators. ``on_step(latents, timesteps, embeds, velocity)`` is called at every
+    step with the state ``(B, ...)``, its timesteps ``(B,)``, the prompt embeddings and the
+    (guided) velocity the step takes (the reward watch measures drift from the reference there)."""
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
@@ -179,6 +182,8 @@ def sample_rollout(
     for i in range(len(timesteps)):
         t = timesteps[i].expand(batch)
         velocity = policy.predict_velocity(transformer, latents, t, embeds, config.guidance_scale)
+        if on_step is not None:
+            on_step(latents, t, embeds, velocity)
         next_latents = torch.empty_like(latents)
         for is_stochastic in (False, True):
             rows = (stochastic[:, i] == is_stochastic).nonzero().flatten().tolist()

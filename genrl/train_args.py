@@ -41,6 +41,10 @@ DEFAULT_RUN = dict(
     eval_steps=20,
     eval_batch_size=32,
     eval_max_batches=4,
+    # The reward watch: 8 prompts x 4 samples of diversity, the drift from a frozen copy of the
+    # initial weights (the toy transformer is 1.3 M parameters).
+    eval_diversity_prompts=8,
+    watch_reference=True,
 )
 # What the no-argument run changes with --objective (bench/bench_learning.py compares them).
 # GRPO needs recorded SDE steps: a 4-step window in the first 8 of 10 steps, one initial noise
@@ -235,6 +239,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Evaluation samples shown in the logged grid, evenly spaced over the evaluated prompts.")
     group.add_argument("--eval_video_fps", type=float, default=16.0, help="Frame rate of the evaluation MP4s (video models).")
 
+    group = parser.add_argument_group(
+        "reward watch", "Signs of reward hacking, at each evaluation: held-out rewards (--eval_reward_fn names with weight 0) "
+        "falling while the trained one rises, the samples of a prompt collapsing, the drift from the reference policy."
+    )
+    group.add_argument("--eval_diversity_prompts", type=int, default=2,
+                       help="Prompts (spread over the evaluation set) whose samples measure diversity at each evaluation; 0: off.")
+    group.add_argument("--eval_diversity_samples", type=int, default=4, help="Samples per diversity prompt, each from its own noise.")
+    group.add_argument("--watch_patience", type=int, default=3,
+                       help="Warn when a trained reward rose while a held-out one fell at each of this many evaluations in a row.")
+    group.add_argument("--watch_diversity_fraction", type=float, default=0.5,
+                       help="Warn when the diversity falls below this fraction of its first value.")
+    group.add_argument("--watch_reference", action="store_true",
+                       help="Full fine-tuning: keep a frozen copy of the initial weights so that evaluation also logs the "
+                            "drift from them (eval/velocity_kl; a second copy of the transformer in memory). LoRA and "
+                            "--beta > 0 log it without this.")
+    group.add_argument("--stop_on_reward_hacking", action="store_true",
+                       help="Stop at the first alarm, keeping the checkpoints written before it (none after it, no export).")
+
     group = parser.add_argument_group("checkpoints")
     group.add_argument("--checkpointing_steps", type=int, default=None,
                        help="Checkpoint at the end of each epoch in which the optimizer step count passed a multiple of this.")
@@ -338,6 +360,21 @@ def validate_args(args) -> None:
         raise ValueError(
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
+        )
+    if args.watch_reference and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValueError(
+            "--watch_reference with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
+            "use --use_lora (the reference is the adapter switched off) or leave --watch_reference out."
+        )
+    if args.eval_diversity_prompts < 0 or (args.eval_diversity_prompts and args.eval_diversity_samples < 2):
+        raise ValueError(
+            f"--eval_diversity_prompts must be >= 0 and --eval_diversity_samples >= 2 (diversity compares samples), got "
+            f"{args.eval_diversity_prompts} and {args.eval_diversity_samples}."
+        )
+    if args.watch_patience < 1 or not 0 <= args.watch_diversity_fraction < 1:
+        raise ValueError(
+            f"--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got {args.watch_patience} and "
+            f"{args.watch_diversity_fraction}."
         )
     if not args.collective_timeout > 0:
         raise ValueError(f"--collective_timeout must be a number of seconds > 0, got {args.collective_timeout}.")

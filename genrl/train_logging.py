@@ -1,27 +1,36 @@
 """What the trainer records (phase 7 of an epoch): metrics to the trackers and
 ``logs/metrics.jsonl``, and the in-training evaluation with its sample grid (and MP4s for video
-models) on disk and in the trackers."""
+models) on disk and in the trackers, and the reward watch's probe (``genrl.reward_watch``):
+the diversity of a few prompts' samples and their drift from the reference policy."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import cv2
 import torch
+from accelerate.logging import get_logger
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
 from genrl.console import eval_line
 from genrl.data import PromptSet
 from genrl.ema import EMA
+from genrl.errors import SetupError
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
-from genrl.evaluation import EvalResult, evaluate
+from genrl.evaluation import EvalResult, evaluate, spread_indices
+from genrl.nft import velocity_kl
 from genrl.policies.base import FlowPolicy
-from genrl.rollout import SamplingConfig
+from genrl.reward_watch import RewardWatch, group_diversity
+from genrl.rollout import SamplingConfig, sample_rollout
+
+logger = get_logger(__name__)
 
 
 def crossed(every: int | None, before: int, after: int) -> bool:
@@ -80,7 +89,9 @@ class EvalPlan:
     """What the in-training evaluation runs (the ``--eval_*`` flags): ``prompts`` scored by
     ``reward_fn``, sampled as ``config`` says (deterministic), ``batch_size`` prompts per batch
     (all processes together), at most ``max_batches`` batches, noise from ``seed``;
-    ``keep_samples`` samples go to the grid, MP4s at ``video_fps``."""
+    ``keep_samples`` samples go to the grid, MP4s at ``video_fps``. The reward watch's probe:
+    ``probe_prompts`` prompts spread over the set (0: none), ``probe_samples`` samples each
+    (``--eval_diversity_prompts``, ``--eval_diversity_samples``)."""
 
     prompts: PromptSet
     reward_fn: Callable
@@ -90,6 +101,40 @@ class EvalPlan:
     max_batches: int
     keep_samples: int
     video_fps: float
+    probe_prompts: int = 0
+    probe_samples: int = 4
+
+
+@torch.no_grad()
+def watch_probe(
+    plan: EvalPlan, policy: FlowPolicy, model: torch.nn.Module, device, reference: Callable[[], ContextManager] | None
+) -> dict[str, float]:
+    """``eval/diversity``: ``group_diversity`` of ``probe_samples`` samples of each of
+    ``probe_prompts`` prompts, each from its own initial noise (the plain ODE, the same noises at
+    every evaluation); with a ``reference`` (a context giving the reference policy's transformer),
+    ``eval/velocity_kl``: mean((v_theta - v_ref)^2) at every state of those trajectories, the
+    KL of the two policies' SDE transitions up to a per-step factor. Every process runs the same
+    probe (lockstep under ZeRO-3); the values are the same on every process."""
+    if not plan.probe_prompts or len(plan.prompts) == 0:
+        return {}
+    config = dataclasses.replace(plan.config, noise_level=0.0, same_latent=False)
+    k = plan.probe_samples
+    drifts = []
+
+    def measure_drift(latents, timesteps, embeds, velocity):
+        with reference() as ref:
+            ref_velocity = policy.predict_velocity(ref, latents, timesteps, embeds, config.guidance_scale)
+        drifts.append(velocity_kl(velocity, ref_velocity).mean().item())
+
+    groups = []
+    for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
+        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.seed, epoch=0,
+                                 config=config, device=device, on_step=measure_drift if reference else None)
+        groups.append(rollout.samples)
+    values = {"eval/diversity": group_diversity(torch.stack(groups))}
+    if drifts:
+        values["eval/velocity_kl"] = sum(drifts) / len(drifts)
+    return values
 
 
 def evaluate_and_log(
@@ -104,11 +149,13 @@ def evaluate_and_log(
     step: int,
     epoch: int,
     launch_time: float,
+    reference: Callable[[], ContextManager] | None = None,
 ) -> dict[str, float]:
     """Bounded deterministic evaluation (the EMA weights when kept) at optimizer step ``step``:
-    ``eval/<reward>_mean`` and ``_std`` (and ``time/elapsed_s``, counted from ``launch_time``)
-    logged and returned, the sample grid written, one line printed above the progress bar.
-    No plan (no evaluation prompts): nothing, ``{}``."""
+    ``eval/<reward>_mean`` and ``_std``, the watch probe's ``eval/diversity`` (and with a
+    ``reference`` ``eval/velocity_kl``, see ``watch_probe``), and ``time/elapsed_s``, counted
+    from ``launch_time``, logged and returned; the sample grid written, one line printed above
+    the progress bar. No plan (no evaluation prompts): nothing, ``{}``."""
     if plan is None:
         return {}
     model.eval()
@@ -118,7 +165,9 @@ def evaluate_and_log(
             max_batches=plan.max_batches, config=plan.config, device=accelerator.device, accelerator=accelerator,
             metadata=plan.prompts.metadata, keep_samples=plan.keep_samples, show_progress=False,
         )
+        probe = watch_probe(plan, policy, model, accelerator.device, reference)
     values = result.log_dict("eval")
+    values.update(probe)
     values["time/elapsed_s"] = time.perf_counter() - launch_time
     log_metrics(accelerator, metrics_path, values, step=step, epoch=epoch)
     if accelerator.is_main_process and result.samples is not None:
@@ -126,3 +175,17 @@ def evaluate_and_log(
     if accelerator.is_main_process:
         tqdm.write(eval_line(step, values))  # above the progress bar, which stays at the bottom
     return values
+
+
+class RewardHackingStop(SetupError):
+    """``--stop_on_reward_hacking`` and the watch raised an alarm: the scripts print the one
+    sentence (the alarm, the checkpoint to go back to), no traceback."""
+
+
+def watch_evaluation(accelerator, watch: RewardWatch, values: dict[str, float], *, step: int) -> list[str]:
+    """The main process's ``watch`` observes the evaluation ``values`` at ``step`` and warns in
+    the log for each new alarm; every process returns the new alarms (the main process's)."""
+    alarms = watch.observe(step, values) if accelerator.is_main_process and values else []
+    for sentence in alarms:
+        logger.warning(f"Reward-hacking watch, step {step}: {sentence}.")
+    return broadcast_object_list([alarms], from_process=0)[0] if accelerator.num_processes > 1 else alarms

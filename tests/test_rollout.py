@@ -94,6 +94,25 @@ def test_deterministic_sampling_records_nothing(policies):
     assert rollout.samples.shape == (3, 3, 1, 32, 32)
 
 
+def test_on_step_sees_each_state_and_the_velocity_taken_and_changes_nothing(policies):
+    # The reward watch measures the drift from the reference at these states: they must be the
+    # states the loop visits, with the velocity it takes there, and watching must not change them.
+    policy = policies["sd3"]
+    config = SamplingConfig(num_inference_steps=3, noise_level=0.7, guidance_scale=3.0)
+    seen = []
+    watched = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config,
+                             device="cpu", on_step=lambda x, t, embeds, v: seen.append((x.clone(), t.clone(), v.clone())))
+    plain = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    assert torch.equal(watched.samples, plain.samples) and torch.equal(watched.log_probs, plain.log_probs)
+    assert len(seen) == 3 and all(x.shape == (3, 4, 8, 8) and t.shape == (3,) for x, t, _ in seen)
+    # The recorded stochastic steps start at the states on_step saw.
+    for b in range(3):
+        for s, step in enumerate(plain.step_indices[b].tolist()):
+            assert torch.equal(seen[step][0][b], plain.latents[b, s])
+    x, t, v = seen[1]
+    assert torch.allclose(v, policy.predict_velocity(policy.transformer, x, t, plain.embeds, 3.0), atol=1e-6)
+
+
 def test_step_log_prob_carries_gradients_to_the_transformer(policies):
     policy = policies["wan"]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=2.0, sde_window_size=1)
