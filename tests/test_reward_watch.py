@@ -119,12 +119,14 @@ def test_the_plot_has_a_watch_panel_with_both_signals():
 @pytest.mark.slow
 def test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving(tmp_path):
     # The toy run trained on JPEG compressibility (it pays for blank images) with toy_geneval held
-    # out: the trained reward rises while toy_geneval falls, from the first steps.
+    # out: the trained reward rises while toy_geneval falls, from the first steps, and the samples
+    # of a prompt turn alike (diversity 0.26, 0.23, 0.17 at steps 0-2: both alarms at step 2).
     out = tmp_path / "out"
     args = ["--reward_fn", "jpeg_compressibility", "--eval_reward_fn", "jpeg_compressibility,toy_geneval:0",
             "--learning_rate", "3e-4", "--max_train_steps", "6", "--eval_steps", "1", "--eval_max_batches", "1",
             "--rollout_batch_size", "16", "--rollout_batches_per_epoch", "1", "--train_batch_size", "16",
-            "--gradient_accumulation_steps", "1", "--watch_patience", "2", "--checkpointing_steps", "1",
+            "--gradient_accumulation_steps", "1", "--watch_patience", "2", "--watch_diversity_fraction", "0.7",
+            "--checkpointing_steps", "1",
             "--stop_on_reward_hacking", "--output_dir", str(out), "--report_to", "none"]
     proc = subprocess.run(launch_command("train_genrl.py", args), env=script_env(), capture_output=True, text=True,
                           timeout=600)
@@ -134,7 +136,9 @@ def test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving(tm
     assert errors[0].startswith("train_genrl.py: error: the reward-hacking watch raised an alarm at step 2 (the trained "
                                 "reward jpeg_compressibility rose at each of the last 2 evaluations")
     assert errors[0].endswith(f"(the last checkpoint before it is {out / 'checkpoint-1'}).")
-    assert "WARNING" in proc.stderr and "Reward-hacking watch, step 2:" in proc.stderr
+    warnings = [line for line in proc.stderr.splitlines() if "WARNING" in line and "Reward-hacking watch" in line]
+    assert len(warnings) == 2 and all("Reward-hacking watch, step 2: " in w for w in warnings), warnings
+    assert "held-out toy_geneval fell" in warnings[0] and "diversity within a prompt's samples fell" in warnings[1]
     # Nothing holds the weights that raised it: no checkpoint-2, no export.
     assert sorted(p for p in os.listdir(out) if p.startswith("checkpoint")) == ["checkpoint-1"]
     assert not (out / "transformer").exists()
