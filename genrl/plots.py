@@ -145,10 +145,12 @@ def _plot_watch(ax, series: dict[str, list[tuple[int, float]]]) -> None:
     if diversity:
         lines += ax.plot(*_xy(diversity), color="C0", marker="o", markersize=3, label="eval diversity")
         ax.set_ylabel("diversity (RMS distance)")
+        ax.set_ylim(bottom=0)  # from 0: a drop reads as the fraction of diversity it is
     if drift:
         right = ax.twinx()
         lines += right.plot(*_xy(drift), color="C3", linestyle="--", marker="s", markersize=3, label="eval velocity_kl")
         right.set_ylabel("drift from the reference (velocity_kl)")
+        right.set_ylim(bottom=0)
     _finish(ax, "reward watch", bool(lines))
     if lines:  # one legend for both axes
         ax.legend(handles=lines, fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=2, frameon=False)
