@@ -44,6 +44,7 @@ from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.redact import redact_argv
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
+from genrl.rewards.lifecycle import describe_reward_models
 from genrl.sampler import PromptGroupSampler
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.objectives import reference_model
@@ -156,7 +157,7 @@ def main(args):
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
     sys.argv[:] = redact_argv(sys.argv)
-    run_config = run_record(args, policy.family, sys.argv)
+    run_config = run_record(args, policy.family, sys.argv, reward_models=describe_reward_models())
 
     # ---- Resume, trackers, logs ------------------------------------------------------------------
     global_step, first_epoch = 0, 0

@@ -92,15 +92,18 @@ def run_identity(args) -> dict[str, Any]:
     return identity
 
 
-def run_record(args, family: str, argv: list[str]) -> dict[str, Any]:
+def run_record(args, family: str, argv: list[str], reward_models: dict[str, dict] | None = None) -> dict[str, Any]:
     """What an export records of its run (``genrl_config.json``, the model card): the base model
-    (a local folder made absolute), the model family, the reward spec, the launch command
-    (``argv``, already redacted) and every argument, tokens redacted."""
+    (a local folder made absolute), the model family, the reward spec and what identifies its
+    reward models (``reward_models``: ``genrl.rewards.lifecycle.describe_reward_models``, e.g.
+    the HPSv3 template's sha256), the launch command (``argv``, already redacted) and every
+    argument, tokens redacted."""
     model = args.pretrained_model_name_or_path
     return {
         "base_model": os.path.abspath(model) if os.path.isdir(model) else model,
         "family": family,
         "reward_fn": args.reward_fn,
+        "reward_models": dict(reward_models or {}),
         "launch_command": "accelerate launch " + shlex.join(argv),
         "args": redact_args(vars(args)),
     }

@@ -75,6 +75,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":
+    """``train_genrl.run(argv)`` in this process, for input refused before any model loads (a
+    launch costs ~10 s of imports): the SystemExit's code, i.e. the sentence the script prints
+    on its last stderr line with exit status 1 (an int: that exit status). Loading a model fails
+    the test; so does any other exception (the script would print a traceback)."""
+    import train_genrl
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was refused")
+
+    monkeypatch.setattr(train_genrl, "load_policy", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.run(argv)
+    return exit_info.value.code
+
+
 def script_errors(stderr: str, script: str = "train_genrl.py") -> list[str]:
     """The ``<script>: error: <sentence>`` reports in a script's stderr, in order (a progress bar
     left open may share their line)."""

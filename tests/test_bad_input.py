@@ -4,13 +4,11 @@ malformed prompt files, records without a prompt, reward values beyond float32."
 
 import logging
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT, script_env, script_errors
+from conftest import trainer_exit_in_process
 
 from genrl import train_args
 from genrl.data import load_prompts
@@ -119,18 +117,11 @@ def test_records_without_a_prompt_are_counted_in_a_warning(tmp_path, caplog):
     assert not caplog.records, "blank lines of a text file are not records"
 
 
-@pytest.mark.slow
-def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path):
+def test_a_malformed_prompt_file_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path, monkeypatch):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a red circle"}\n{"prompt": \n')
-    argv = args_with(tiny_sd3, str(path), str(tmp_path / "out"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *argv], env=script_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    assert script_errors(proc.stderr) == [
-        f"train_genrl.py: error: Prompt file {str(path)!r} line 2 is not valid JSON (Expecting value at column 11)."
-    ]
-    assert "trained timesteps per sample" not in proc.stderr
+    message = trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch)
+    assert message == f"train_genrl.py: error: Prompt file {str(path)!r} line 2 is not valid JSON (Expecting value at column 11)."
 
 
 @pytest.mark.usefixtures("isolated_rewards")

@@ -154,6 +154,9 @@ def test_top30_and_mean_over_frames_via_registry(setup):
     before = len(lifecycle.cached_reward_models())
     reward_fn = build_reward_fn("hpsv3:1.0,hpsv3_top30:0.5", options={"hpsv3": options, "hpsv3_top30": options})
     assert len(lifecycle.cached_reward_models()) == before + 1  # one model for both names
+    # What the trainer records in genrl_config.json: the template the scores came from.
+    digest = hashlib.sha256(HPS_TEMPLATE.encode("utf-8")).hexdigest()
+    assert lifecycle.describe_reward_models() == {"hpsv3": {"template_sha256": digest}}
     frames = smooth_images(2 * 4, SMALL, SMALL, seed=7).reshape(2, 4, SMALL, SMALL, 3)
     samples = frames.permute(0, 4, 1, 2, 3).float() / 255  # the rollout's (N, C, F, H, W) in [0, 1]
     prompts = ["first {video}", "second"]

@@ -97,21 +97,13 @@ def test_kl_reference_copy_is_refused_under_zero3(tiny_sd3, prompt_file, tmp_pat
     train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1", "--use_lora"))
 
 
-def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path):
-    import subprocess
-    import sys
-
-    from conftest import script_env
+def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path, monkeypatch):
+    from conftest import trainer_exit_in_process
 
     empty = tmp_path / "empty.txt"
     empty.write_text("\n\n")
-    args = base_args("/model/is/never/loaded", str(empty), str(tmp_path / "out"))
-    args[1] = tiny_sd3
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *args], env=script_env(),
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("train_genrl.py: error:") and "empty" in last, proc.stderr[-2000:]
+    message = trainer_exit_in_process(base_args(tiny_sd3, str(empty), str(tmp_path / "out")), monkeypatch)
+    assert message.startswith("train_genrl.py: error:") and "empty" in message, message
 
 
 @pytest.mark.parametrize("family, reward, extra", [
@@ -138,6 +130,7 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
         assert f"reward/{name}_mean" in logged
     config = json.load(open(os.path.join(out, "genrl_config.json")))
     assert config["family"] == family
+    assert config["reward_models"] == {}  # rule-based rewards: no model, no template to trace
     exported = "pytorch_lora_weights.safetensors" if "--use_lora" in extra else "transformer"
     assert os.path.exists(os.path.join(out, exported))
     if family == "wan":  # evaluation of a video model writes playable clips beside the grid

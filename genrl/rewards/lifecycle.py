@@ -104,6 +104,15 @@ def reward_model_handle(
     return get
 
 
+def describe_reward_models() -> dict[str, dict[str, str]]:
+    """``{model name: {"template_sha256": digest}}`` for each cached scorer that names the prompt
+    template it uses (the Qwen2-VL scorers): what a run records of its reward models, so that a
+    score can be traced to the template text that produced it."""
+    with _LOCK:
+        return {key[0]: {"template_sha256": scorer.template_sha256} for key, scorer in _CACHE.items()
+                if getattr(scorer, "template_sha256", None)}
+
+
 def cache_key_of(scorer: Any) -> CacheKey | None:
     """The key a scorer is cached under, or None if it is not cached."""
     with _LOCK:
