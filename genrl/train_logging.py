@@ -124,7 +124,7 @@ def watch_probe(
     def measure_drift(latents, timesteps, embeds, velocity):
         with reference() as ref:
             ref_velocity = policy.predict_velocity(ref, latents, timesteps, embeds, config.guidance_scale)
-        drifts.append(velocity_kl(velocity, ref_velocity).mean().item())
+        drifts.append(velocity_kl(velocity, ref_velocity).mean())  # one device sync at the end, not per step
 
     groups = []
     for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
@@ -133,7 +133,7 @@ def watch_probe(
         groups.append(rollout.samples)
     values = {"eval/diversity": group_diversity(torch.stack(groups))}
     if drifts:
-        values["eval/velocity_kl"] = sum(drifts) / len(drifts)
+        values["eval/velocity_kl"] = torch.stack(drifts).mean().item()
     return values
 
 
