@@ -40,15 +40,15 @@ from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
+from genrl.objectives import reference_model
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.redact import redact_argv
+from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
 from genrl.rewards.lifecycle import describe_reward_models
 from genrl.sampler import PromptGroupSampler
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
-from genrl.objectives import reference_model
-from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
 from genrl.update import UpdateConfig, update_policy

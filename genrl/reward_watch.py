@@ -88,7 +88,7 @@ class RewardWatch:
     diversity_fraction: float = 0.5
     history: list[tuple[int, dict[str, float]]] = field(default_factory=list)
     alarms: list[tuple[int, str]] = field(default_factory=list)
-    _raised: set = field(default_factory=set)
+    _raised: set = field(default_factory=set, repr=False)  # the kinds raised: (trained, held-out) pairs, "diversity"
 
     def observe(self, step: int, values: dict[str, float]) -> list[str]:
         """Record the evaluation at ``step`` and return the alarms it raises (new ones only)."""
