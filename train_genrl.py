@@ -29,6 +29,7 @@ from genrl.console import hide_loading_bars, planned_steps, progress_postfix, si
 silence_known_noise()  # before the libraries below load: some warn on import
 
 from diffusers.optimization import get_scheduler
+from genrl.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.checkpointing import (
     checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
 )
@@ -48,6 +49,7 @@ from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
 from genrl.rewards.lifecycle import describe_reward_models
 from genrl.sampler import PromptGroupSampler
+from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_flops, throughput_logs
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
@@ -88,6 +90,9 @@ def main(args):
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     device = accelerator.device
+    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
+    if args.attention_backend:  # a missing package or kernel fails now, not after minutes of loading models
+        probe_attention_backend(args.attention_backend, device, weight_dtype)
 
     # A checkpoint that could run code, cannot be read or belongs to another run is refused
     # before any model loads (load_checkpoint checks it again right before reading it); so is
@@ -105,7 +110,6 @@ def main(args):
     )
 
     # ---- Models --------------------------------------------------------------------------
-    weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     with zero_init_disabled():  # frozen parts and reward models are never sharded
         try:
             policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
@@ -129,6 +133,22 @@ def main(args):
         lora_target_modules=args.lora_target_modules, gradient_checkpointing=args.gradient_checkpointing,
         float32=args.use_lora or accelerator.mixed_precision == "fp16", seed=args.seed,
     )
+    sampling, eval_sampling = sampling_configs(args)
+    # Speed levers (--attention_backend, --compile) on the trained transformer and the frozen copy,
+    # after the LoRA set-up; the FLOPs of one sequence through it are counted first, on the bare
+    # module, and the tally counts the sequences each epoch sends through it (perf/* metrics).
+    transformers = [policy.transformer] + ([ref_transformer] if ref_transformer is not None else [])
+    try:
+        flop_cost = count_transformer_flops(policy, policy.transformer, sampling, train_set.prompts[0], device)
+    except Exception as e:  # a metric must not stop the run
+        logger.warning(f"The transformer's FLOPs could not be counted ({type(e).__name__}: {e}); perf/* is not logged.")
+        flop_cost = None
+    if args.attention_backend:
+        set_attention_backend(transformers, args.attention_backend, device=device, dtype=weight_dtype)
+    if args.compile:
+        for transformer in transformers:
+            compile_repeated_blocks(transformer, fullgraph=True)
+    tally = TransformerTally(transformers, flop_cost)
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                   weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
@@ -139,7 +159,6 @@ def main(args):
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
 
-    sampling, eval_sampling = sampling_configs(args)
     update_config = UpdateConfig(
         objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
@@ -210,6 +229,8 @@ def main(args):
         if args.max_train_steps is not None and global_step >= args.max_train_steps:
             break
         step_at_epoch_start = global_step
+        epoch_start = time.perf_counter()
+        tally.take()  # the forwards since the last epoch (evaluation) are not this epoch's
 
         # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
         model.eval()
@@ -221,6 +242,7 @@ def main(args):
             config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
             reward_workers=args.reward_workers,
         )
+        rollout_flops = tally.take()
         if args.reward_clear_before_train:
             reward_fn = None
             clear_reward_models()
@@ -244,12 +266,18 @@ def main(args):
         )
         global_step = update.global_step
         train_seconds = time.perf_counter() - t0
+        epoch_seconds = time.perf_counter() - epoch_start
 
         # 7. Logs, evaluation, checkpoints.
         epoch_logs = {
             **advantages.logs, **update.logs(), "train/skipped_steps": guard.skipped - skipped_before,
             "train/lr": lr_scheduler.get_last_lr()[0], "memory/peak_gb": peak_memory_gb(device),
             **scored.timings, "time/train_s": train_seconds, "time/elapsed_s": time.perf_counter() - launch_time,
+            **throughput_logs(
+                samples=args.rollout_batch_size * args.rollout_batches_per_epoch * accelerator.num_processes,
+                epoch_seconds=epoch_seconds, rollout=PhaseFigures(scored.timings["time/rollout_s"], rollout_flops),
+                update=PhaseFigures(train_seconds, tally.take()), peak_tflops=args.peak_tflops,
+            ),
         }
         log_metrics(accelerator, metrics_path, epoch_logs, step=global_step, epoch=epoch)
         done = update.reached_max_steps or epoch == args.num_epochs - 1

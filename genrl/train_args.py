@@ -13,6 +13,7 @@ import math
 import os
 import tempfile
 
+from genrl.acceleration import check_attention_backend_name
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.sampler import check_batch_sizes
@@ -209,6 +210,18 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--allow_tf32", action="store_true", help="Allow TF32 matmuls on Ampere+ GPUs.")
     group.add_argument("--gradient_checkpointing", action="store_true",
                        help="Recompute the transformer's activations in the backward pass (less memory, slower).")
+    group.add_argument("--attention_backend", type=str, default=None, metavar="NAME",
+                       help="Attention kernel of the transformer (and its frozen reference) through diffusers' attention "
+                            "dispatcher, e.g. native, flash (flash-attn 2), _flash_3 (FlashAttention-3, Hopper), "
+                            "_native_cudnn, sage; default: the model's own. Wan and FLUX only (SD3's attention does not go "
+                            "through the dispatcher). A backend whose package or device is missing fails before training.")
+    group.add_argument("--compile", action="store_true",
+                       help="Regional torch.compile (fullgraph) of the transformer's repeated blocks, after the LoRA set-up: "
+                            "the first rollout and update of the run compile (minutes for a large model), later ones run the "
+                            "compiled blocks. Not with ZeRO-3.")
+    group.add_argument("--peak_tflops", type=float, default=None,
+                       help="Peak dense TFLOP/s of one device in the training precision (its data sheet's dense figure, e.g. 989 for an "
+                            "H100 SXM in bf16): logs perf/mfu, the transformer's counted FLOPs per second over this peak.")
 
     group = parser.add_argument_group("LoRA")
     group.add_argument("--use_lora", action="store_true", help="Train a LoRA adapter instead of every transformer weight.")
@@ -376,6 +389,15 @@ def validate_args(args) -> None:
             f"--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got {args.watch_patience} and "
             f"{args.watch_diversity_fraction}."
         )
+    if args.compile and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        raise ValueError(
+            "--compile does not work under ZeRO-3 (DeepSpeed gathers each block's partitioned weights in hooks that "
+            "torch.compile cannot trace); use --compile with zero2, multi_gpu or one process, or leave it out under zero3."
+        )
+    if args.attention_backend is not None:
+        check_attention_backend_name(args.attention_backend)  # the names diffusers knows, listed
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        raise ValueError(f"--peak_tflops must be the device's peak TFLOP/s, a number > 0, got {args.peak_tflops}.")
     if not args.collective_timeout > 0:
         raise ValueError(f"--collective_timeout must be a number of seconds > 0, got {args.collective_timeout}.")
     if args.overwrite_output_dir and args.resume_from_checkpoint:

@@ -77,6 +77,8 @@ def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file,
         (["--reward_fn", "no_such_reward"], "jpeg_compressibility"),
         (["--pretrained_model_name_or_path", "/no/such/model"], "/no/such/model"),
         (["--sde_window_size", "9"], "sde_window_size"),
+        (["--attention_backend", "fastest"], "native, sage"),  # the valid names, listed
+        (["--peak_tflops", "0"], "--peak_tflops"),
     ],
 )
 def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_file, tmp_path, capsys, extra, message):
@@ -95,6 +97,49 @@ def test_kl_reference_copy_is_refused_under_zero3(tiny_sd3, prompt_file, tmp_pat
         train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1"))
     assert "ZeRO-3" in capsys.readouterr().err
     train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--beta", "0.1", "--use_lora"))
+
+
+def test_compile_is_refused_under_zero3(tiny_sd3, prompt_file, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(SystemExit):
+        train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--compile"))
+    assert "--compile does not work under ZeRO-3" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--compile")).compile
+
+
+def test_a_missing_attention_backend_is_refused_before_any_model_loads(tiny_sd3, prompt_file, tmp_path, monkeypatch):
+    from conftest import trainer_exit_in_process
+
+    args = base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--attention_backend", "flash")
+    message = trainer_exit_in_process(args, monkeypatch)
+    assert message.startswith("train_genrl.py: error: --attention_backend flash cannot be used here: "), message
+    assert "flash-attn" in message and "\n" not in message
+
+
+def test_throughput_and_counted_flops_are_logged_every_epoch(tiny_sd3, prompt_file, tmp_path):
+    """NFT on 4-step CFG rollouts: per epoch 8 samples x 4 steps x 2 (CFG) rollout forwards, 8
+    samples x 2 trained timesteps of old-velocity forwards (no grad, conditional) and as many
+    training forwards with their backward; each priced at FlopCounterMode's count of the saved
+    transformer, taken here on the real module."""
+    from test_throughput import counted_on_cpu
+
+    from genrl.policies import load_policy
+
+    out = str(tmp_path / "out")
+    run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--objective", "nft", "--noise_level", "0",
+                                           "--no-same_latent", "--timestep_fraction", "0.5", "--peak_tflops", "0.5"))
+    policy = load_policy(tiny_sd3)
+    forward, train = counted_on_cpu(policy, policy.transformer.requires_grad_(True))
+    logged = metrics(out)
+    assert len(logged) == 2
+    for epoch in logged:
+        assert epoch["perf/transformer_flops"] == (8 * 4 * 2 + 8 * 2) * forward + 8 * 2 * train
+        assert epoch["time/samples_per_s"] == pytest.approx(8 / epoch["time/epoch_s"])
+        assert epoch["perf/transformer_tflops"] == pytest.approx(epoch["perf/transformer_flops"] / epoch["time/epoch_s"] / 1e12)
+        assert epoch["perf/mfu"] == pytest.approx(epoch["perf/transformer_tflops"] / 0.5)
+        assert epoch["perf/rollout_tflops"] > 0 and epoch["perf/train_tflops"] > 0
+        assert epoch["time/epoch_s"] >= epoch["time/rollout_s"] + epoch["time/train_s"]
 
 
 def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path, monkeypatch):
