@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 
 import torch
@@ -158,6 +159,9 @@ def main(args):
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
+    # DiffusionNFT's soft-updated sampling policy: an fp32 shadow of the trained weights that the
+    # rollouts (and NFT's old velocities) use, stepping towards them after every optimizer step.
+    sampling_policy = EMA(trainable, device=args.ema_device) if args.sampling_policy_decay_rate > 0 else None
 
     update_config = UpdateConfig(
         objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
@@ -166,6 +170,7 @@ def main(args):
         num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
         shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
         kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
+        sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
     )
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
@@ -183,7 +188,8 @@ def main(args):
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
         try:
-            global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema, run=identity)
+            global_step, last_epoch = load_checkpoint(accelerator, resume_path, ema, run=identity,
+                                                      sampling_policy=sampling_policy)
         except ValueError as e:  # an unsafe or unreadable file, the wrong number of processes
             raise SystemExit(f"train_genrl.py: error: {e}")
         first_epoch = last_epoch + 1
@@ -237,11 +243,12 @@ def main(args):
         if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
             with zero_init_disabled():
                 reward_fn = build_rewards()
-        scored = collect_rollouts(
-            policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
-            config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
-            reward_workers=args.reward_workers,
-        )
+        with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+            scored = collect_rollouts(
+                policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
+                config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
+                reward_workers=args.reward_workers,
+            )
         rollout_flops = tally.take()
         if args.reward_clear_before_train:
             reward_fn = None
@@ -262,7 +269,7 @@ def main(args):
         update = update_policy(
             policy, model, optimizer, lr_scheduler, accelerator, scored.rollout, advantages.advantages, advantages.kept,
             config=update_config, sampling=sampling, seed=args.seed, epoch=epoch, global_step=global_step, guard=guard,
-            ema=ema, frozen_reference=ref_transformer, progress=progress,
+            ema=ema, frozen_reference=ref_transformer, sampling_policy=sampling_policy, progress=progress,
         )
         global_step = update.global_step
         train_seconds = time.perf_counter() - t0
@@ -296,7 +303,8 @@ def main(args):
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
         elif crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
             save_and_push_checkpoint(accelerator, model, policy, ema, args, global_step=global_step, epoch=epoch,
-                                     run_config=run_config, identity=identity, pushes=checkpoint_pushes)
+                                     run_config=run_config, identity=identity, pushes=checkpoint_pushes,
+                                     sampling_policy=sampling_policy)
         if update.reached_max_steps:
             break
     progress.close()
@@ -315,7 +323,7 @@ def main(args):
 
 
 def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_step: int, epoch: int, run_config: dict,
-                             identity: dict, pushes: list) -> None:
+                             identity: dict, pushes: list, sampling_policy=None) -> None:
     """``checkpoint-<global_step>`` after ``epoch`` (every rank), then (main process, with
     --push_checkpoints) its upload in the background, its future appended to ``pushes``."""
     for push in pushes:  # pruning must not delete a checkpoint still uploading
@@ -323,6 +331,7 @@ def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_st
     path = save_checkpoint(
         accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
         use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
+        sampling_policy=sampling_policy,
     )
     logger.info(f"Saved {path}")
     if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:

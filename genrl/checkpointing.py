@@ -9,7 +9,8 @@ Layout of an export (the final ``--output_dir`` and every ``checkpoint-<step>/``
     pytorch_lora_weights_ema.safetensors   ... its EMA weights, with --use_ema
 
 A checkpoint also holds Accelerate's ``save_state`` files (model, optimizer, scheduler, RNG
-states), ``genrl_state.json`` (step and epoch) and ``ema/rank<r>.pt`` (each rank's shadow).
+states), ``genrl_state.json`` (step and epoch), ``ema/rank<r>.pt`` (each rank's shadow) and, with
+a soft-updated sampling policy, ``sampling_policy/rank<r>.pt``.
 A checkpoint is written to ``<name>.tmp`` and renamed when complete, so a run killed while
 saving never leaves a half checkpoint that ``--resume_from_checkpoint latest`` would pick.
 Older checkpoints are pruned to ``--checkpoints_total_limit`` only after that rename, and a
@@ -40,6 +41,7 @@ CONFIG_FILE = "genrl_config.json"
 STATE_FILE = "genrl_state.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_EMA_FILE = "pytorch_lora_weights_ema.safetensors"
+SAMPLING_POLICY_DIR = "sampling_policy"
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 logger = logging.getLogger(__name__)
 
@@ -329,6 +331,7 @@ def save_checkpoint(
     ema: EMA | None = None,
     total_limit: int | None = None,
     run: dict[str, Any] | None = None,
+    sampling_policy: EMA | None = None,
 ) -> str:
     """Save everything needed to resume after ``epoch`` (and an export for evaluation).
     Written to ``checkpoint-<step>.tmp`` and renamed when complete; only then are the oldest
@@ -349,6 +352,10 @@ def save_checkpoint(
         if ema is not None:
             os.makedirs(os.path.join(tmp, "ema"), exist_ok=True)
             torch.save(ema.state_dict(), os.path.join(tmp, "ema", f"rank{accelerator.process_index}.pt"))
+        if sampling_policy is not None:  # the soft-updated sampling weights (--sampling_policy_decay_rate)
+            os.makedirs(os.path.join(tmp, SAMPLING_POLICY_DIR), exist_ok=True)
+            torch.save(sampling_policy.state_dict(),
+                       os.path.join(tmp, SAMPLING_POLICY_DIR, f"rank{accelerator.process_index}.pt"))
         export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
         if accelerator.is_main_process:
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
@@ -382,8 +389,9 @@ def read_state(path: str) -> dict:
     return state
 
 
-def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[str, Any] | None = None) -> tuple[int, int]:
-    """Restore model, optimizer, scheduler, RNG and EMA from ``path``; returns
+def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[str, Any] | None = None,
+                    sampling_policy: EMA | None = None) -> tuple[int, int]:
+    """Restore model, optimizer, scheduler, RNG, EMA and soft-updated sampling policy from ``path``; returns
     ``(global_step, epoch)`` of the checkpoint (training continues at ``epoch + 1``).
 
     Nothing in ``path`` runs code: every pickle file is checked weights-only against a short
@@ -408,6 +416,13 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
         if not os.path.exists(ema_path):
             raise FileNotFoundError(f"Checkpoint {path!r} has no EMA state ({ema_path}) but --use_ema is set.")
         ema.load_state_dict(load_weights_only(ema_path))
+    if sampling_policy is not None:
+        sampling_path = os.path.join(path, SAMPLING_POLICY_DIR, f"rank{accelerator.process_index}.pt")
+        if not os.path.exists(sampling_path):
+            raise FileNotFoundError(
+                f"Checkpoint {path!r} has no sampling-policy state ({sampling_path}) but --sampling_policy_decay_rate is set."
+            )
+        sampling_policy.load_state_dict(load_weights_only(sampling_path))
     return state["global_step"], state["epoch"]
 
 

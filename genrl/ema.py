@@ -97,9 +97,10 @@ class EMA:
         return True
 
     @torch.no_grad()
-    def update(self) -> None:
-        """One EMA update: shadow = d * shadow + (1 - d) * theta."""
-        d = ema_decay(self.decay, self.num_updates, self.warmup)
+    def update(self, decay: float | None = None) -> None:
+        """One EMA update: shadow = d * shadow + (1 - d) * theta, with ``d`` = ``decay`` when
+        given (a schedule the caller computes), else the EMA's own decay."""
+        d = ema_decay(self.decay, self.num_updates, self.warmup) if decay is None else decay
         for s, p in zip(self.shadow, self.params):
             s.mul_(d).add_(_local_tensor(p).to(device=s.device, dtype=torch.float32), alpha=1 - d)
         self.num_updates += 1

@@ -165,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
                             "samples noised again (any sampler, no log-probs).")
     group.add_argument("--nft_beta", type=float, default=1.0,
                        help="NFT's step size beta: how far the implicit positive/negative policies sit from the sampling one.")
+    group.add_argument("--sampling_policy_decay_rate", type=float, default=0.0,
+                       help="nft, awm: sample from a soft-updated copy of the trained weights, theta_old <- eta theta_old + "
+                            "(1 - eta) theta after optimizer step i, eta = min(rate i, --sampling_policy_decay_max) "
+                            "(DiffusionNFT: 0.001). 0: sample from the trained weights (on-policy).")
+    group.add_argument("--sampling_policy_decay_max", type=float, default=0.5,
+                       help="The cap of the soft update's eta (DiffusionNFT: 0.5).")
     group.add_argument("--group_size", type=int, default=8, help="Samples per prompt (K).")
     group.add_argument("--rollout_batch_size", type=int, default=8, help="Samples per rollout batch per process.")
     group.add_argument("--rollout_batches_per_epoch", type=int, default=2, help="Rollout batches per process per epoch.")
@@ -356,6 +362,16 @@ def validate_args(args) -> None:
         raise ValueError(
             f"--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective {args.objective} "
             f"with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."
+        )
+    if args.sampling_policy_decay_rate < 0 or not 0 <= args.sampling_policy_decay_max < 1:
+        raise ValueError(
+            f"--sampling_policy_decay_rate must be >= 0 and --sampling_policy_decay_max in [0, 1), got "
+            f"{args.sampling_policy_decay_rate} and {args.sampling_policy_decay_max}."
+        )
+    if args.sampling_policy_decay_rate > 0 and args.objective == "grpo":
+        raise ValueError(
+            "--sampling_policy_decay_rate soft-updates the sampling policy of --objective nft or awm; GRPO samples "
+            "from the trained weights (its ratio's old policy is the rollout's)."
         )
     if args.objective == "nft" and not args.nft_beta > 0:
         raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")

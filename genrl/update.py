@@ -18,6 +18,7 @@ The update ends early when the global step reaches ``max_train_steps``.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -26,6 +27,7 @@ import torch
 from genrl.ema import EMA
 from genrl.grpo import select_train_timesteps
 from genrl.nan_guard import NonFiniteGuard, is_finite
+from genrl.nft import soft_update_decay
 from genrl.objectives import ForwardBatch, draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
 from genrl.policies.base import FlowPolicy
 from genrl.rollout import Rollout, SamplingConfig
@@ -46,6 +48,8 @@ class UpdateConfig:
     guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
         train the conditional velocity).
     clip_range, kl_form, grpo_guard: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
+    sampling_decay_rate, sampling_decay_max: the soft update of the sampling policy (nft, awm;
+        ``genrl.nft.soft_update_decay``).
     """
 
     objective: str
@@ -64,6 +68,8 @@ class UpdateConfig:
     kl_form: str = "transition"
     nft_beta: float = 1.0
     grpo_guard: bool = False
+    sampling_decay_rate: float = 0.0
+    sampling_decay_max: float = 0.5
 
 
 @dataclass
@@ -163,17 +169,22 @@ def update_policy(
     guard: NonFiniteGuard,
     ema: EMA | None = None,
     frozen_reference: torch.nn.Module | None = None,
+    sampling_policy: EMA | None = None,
     progress=None,
 ) -> UpdateResult:
     """Train on this process's ``rollout`` (B samples, ``advantages`` ``(B,)``) at the samples
     ``kept`` ``(k,)``, from optimizer step ``global_step``; ``progress`` (a tqdm bar) counts the
-    optimizer steps. ``sampling`` is how the rollout was sampled (GRPO recomputes its log-probs)."""
+    optimizer steps. ``sampling`` is how the rollout was sampled (GRPO recomputes its log-probs).
+    ``sampling_policy``: the soft-updated weights the rollout was sampled with (nft, awm); NFT's
+    old velocities come from them, and they step towards the trained weights after every
+    optimizer step."""
     model.train()
     generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
     forward_batch = None
     if config.objective != "grpo":
-        forward_batch = prepare_forward_batch(policy, model, rollout, kept, config=config, seed=seed, epoch=epoch,
-                                              device=accelerator.device)
+        with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+            forward_batch = prepare_forward_batch(policy, model, rollout, kept, config=config, seed=seed, epoch=epoch,
+                                                  device=accelerator.device)
     result = UpdateResult(global_step)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
     for idx, step in micro_steps(kept, rollout.num_steps, config, generator):
@@ -206,6 +217,10 @@ def update_policy(
                 progress.update(1)
             if ema is not None:
                 ema.step(result.global_step)
+            if sampling_policy is not None:
+                sampling_policy.update(
+                    soft_update_decay(result.global_step, config.sampling_decay_rate, config.sampling_decay_max)
+                )
             if config.max_train_steps is not None and result.global_step >= config.max_train_steps:
                 result.reached_max_steps = True
                 break

@@ -72,3 +72,13 @@ def test_bad_settings_are_refused():
         EMA([p], decay=1.0)
     with pytest.raises(ValueError, match="interval"):
         EMA([p], update_interval=0)
+
+
+def test_an_update_with_a_given_decay_uses_it_instead_of_its_own():
+    p = torch.nn.Parameter(torch.tensor([0.0, 4.0]))
+    ema = EMA([p], decay=0.9)
+    p.data = torch.tensor([2.0, 0.0])
+    ema.update(decay=0.25)  # 0.25 * old + 0.75 * new
+    assert torch.equal(ema.shadow[0], torch.tensor([1.5, 1.0]))
+    ema.update(decay=0.0)  # a decay of 0 copies the weights
+    assert torch.equal(ema.shadow[0], torch.tensor([2.0, 0.0]))

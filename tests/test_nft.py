@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from genrl.nft import awm_loss, forward_noise, nft_loss, optimality_weight, velocity_kl
+from genrl.nft import awm_loss, forward_noise, nft_loss, optimality_weight, soft_update_decay, velocity_kl
 
 
 def _scalar_case(advantage: float):
@@ -88,3 +88,16 @@ def test_awm_loss_hand_value_and_sign():
 def test_velocity_kl_is_per_sample_mean_square():
     kl = velocity_kl(torch.tensor([[1.0, 3.0], [0.0, 0.0]]), torch.tensor([[0.0, 1.0], [0.0, 0.0]]))
     assert torch.allclose(kl, torch.tensor([2.5, 0.0]))
+
+
+def test_soft_update_decay_rises_linearly_to_its_cap():
+    # DiffusionNFT's schedule: eta_i = min(0.001 i, 0.5).
+    assert soft_update_decay(0, 0.001, 0.5) == 0.0
+    assert soft_update_decay(1, 0.001, 0.5) == pytest.approx(0.001)
+    assert soft_update_decay(300, 0.001, 0.5) == pytest.approx(0.3)
+    assert soft_update_decay(500, 0.001, 0.5) == pytest.approx(0.5)
+    assert soft_update_decay(10_000, 0.001, 0.5) == 0.5
+    assert soft_update_decay(7, 0.0, 0.5) == 0.0, "rate 0 is on-policy"
+    for rate, cap in ((-0.1, 0.5), (0.001, 1.0), (0.001, -0.1)):
+        with pytest.raises(ValueError, match="soft update"):
+            soft_update_decay(1, rate, cap)

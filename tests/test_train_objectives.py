@@ -5,6 +5,7 @@ test_train_distributed; the forward-process draws depend on the sample alone, te
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -68,3 +69,33 @@ def test_two_processes_train_and_export(two_process_runs, tiny_sd3, objective):
     trained = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
     assert any(not torch.equal(trained[k], base[k]) for k in base), "training did not change any weight"
+
+
+def test_a_soft_updated_sampling_policy_lags_the_weights_and_resumes_to_the_same_end(tiny_sd3, prompt_file, tmp_path):
+    from diffusers import SD3Transformer2DModel
+
+    out = str(tmp_path / "soft")
+    args = objective_args(tiny_sd3, prompt_file, out, "nft", "--sampling_policy_decay_rate", "0.2",
+                          "--num_epochs", "3", "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest")
+    run_script("train_genrl.py", args, config="single_gpu")
+    assert [l["step"] for l in train_lines(out)] == [2, 4, 6]
+    final = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+
+    # The sampling policy is its own set of weights: after step 6 (eta = min(0.2 * 6, 0.5)) it lies
+    # between the initial and the trained weights, equal to neither.
+    state = torch.load(os.path.join(out, "checkpoint-6", "sampling_policy", "rank0.pt"), weights_only=True)
+    names = [n for n, _ in SD3Transformer2DModel.from_pretrained(os.path.join(out, "transformer")).named_parameters()]
+    base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
+    assert len(state["shadow"]) == len(names)
+    shadow = dict(zip(names, state["shadow"]))
+    assert any(not torch.equal(shadow[n], final[n]) for n in names), "the sampling policy equals the trained weights"
+    assert any(not torch.equal(shadow[n], base[n]) for n in names), "the sampling policy never moved"
+
+    # Killed after checkpoint-2: resuming restores the sampling policy too, so the run ends where
+    # the uninterrupted one did (its later rollouts sample from the restored lagging weights).
+    for name in ("checkpoint-4", "checkpoint-6", "transformer"):
+        shutil.rmtree(os.path.join(out, name))
+    run_script("train_genrl.py", args, config="single_gpu")
+    resumed = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+    diff = max((resumed[k] - final[k]).abs().max().item() for k in final)
+    assert diff <= 1e-6, f"the resumed run ends {diff} away from the uninterrupted one"

@@ -79,6 +79,8 @@ def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file,
         (["--sde_window_size", "9"], "sde_window_size"),
         (["--attention_backend", "fastest"], "native, sage"),  # the valid names, listed
         (["--peak_tflops", "0"], "--peak_tflops"),
+        (["--objective", "grpo", "--sampling_policy_decay_rate", "0.001"], "nft or awm"),
+        (["--objective", "nft", "--sampling_policy_decay_max", "1.0"], "--sampling_policy_decay_max in [0, 1)"),
     ],
 )
 def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_file, tmp_path, capsys, extra, message):
