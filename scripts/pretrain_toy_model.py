@@ -78,6 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--learning_rate", type=float, default=1e-3)
     parser.add_argument("--warmup_steps", type=int, default=100)
     parser.add_argument("--caption_dropout", type=float, default=0.1)
+    parser.add_argument(
+        "--caption_noise",
+        type=float,
+        default=0.0,
+        help="probability that a scene is captioned with another random train caption (loose alt-text)",
+    )
     parser.add_argument("--width", type=int, default=96, help="transformer width (heads x 32)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--patch_size", type=int, default=2)
@@ -91,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--eval_steps", type=int, default=20, help="inference steps of the final evaluation")
     parser.add_argument("--eval_prompts", type=int, default=16, help="prompts per split in the final evaluation (x 2 seeds)")
     parser.add_argument("--log_every", type=int, default=100)
+    parser.add_argument("--eval_every", type=int, default=0, help="score both splits at CFG 2 every N flow steps (0: only at the end)")
     args = parser.parse_args(argv)
     if args.resolution % 16 != 0:
         parser.error(f"--resolution must be a multiple of 16 (VAE x4, then 8x8 latents or larger), got {args.resolution}.")
@@ -328,6 +335,8 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
     start, running = time.time(), 0.0
     for step in range(args.steps):
         pixels, captions = scene_batch(rng, specs, args.batch_size, args.resolution)
+        if args.caption_noise > 0:  # drawn only when asked, so the default run stays bit-identical
+            captions = [caption(specs[rng.integers(len(specs))]) if rng.random() < args.caption_noise else c for c in captions]
         captions = ["" if rng.random() < args.caption_dropout else c for c in captions]
         with torch.no_grad():
             z = vae.encode(pixels).latent_dist.sample(generator=generator)
@@ -356,6 +365,8 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
         running = loss.item() if step == 0 else 0.98 * running + 0.02 * loss.item()
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"flow step {step:5d}  loss {running:.4f}  lr {scheduler.get_last_lr()[0]:.2e}  {time.time() - start:6.0f}s", flush=True)
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
+            print_progress_scores(pipe, args, step + 1)
     transformer.set_attn_processor(JointAttnProcessor2_0())
     transformer.eval()
     for te in text_encoders:
@@ -363,6 +374,24 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
 
 
 # ---------------------------------------------------------------------------- evaluation
+
+
+def print_progress_scores(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, step: int) -> None:
+    """Both splits at CFG 2 during training; the RNG streams of training are not touched."""
+    modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    for m in modules:
+        m.eval()
+    pipe.transformer.set_attn_processor(JointAttnProcessor2_0())
+    pipe.set_progress_bar_config(disable=True)
+    train_prompts, test_prompts = prompt_splits()
+    cpu_state = torch.random.get_rng_state()
+    for split, prompts in (("train", train_prompts), ("test", test_prompts)):
+        scores = evaluate(pipe, evenly_spaced(prompts, args.eval_prompts), 2.0, args.eval_steps)
+        print(f"  step {step} cfg 2 {split:5s}: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
+    torch.random.set_rng_state(cpu_state)
+    pipe.transformer.set_attn_processor(NullTokenJointAttnProcessor())
+    for m in modules:
+        m.train()
 
 
 @torch.no_grad()
