@@ -199,6 +199,15 @@ def scene_batch(rng: np.random.Generator, specs: list, batch_size: int, resoluti
     return pixels, captions
 
 
+def loosen_captions(captions: list[str], specs: list, rng: np.random.Generator, noise: float) -> list[str]:
+    """Each caption replaced, with probability ``noise``, by the caption of a random scene of
+    ``specs`` (its image unchanged): loosely captioned data, as web alt-text often is. With
+    ``noise`` 0 nothing is drawn from ``rng``, so runs without it stay bit-identical."""
+    if noise <= 0:
+        return list(captions)
+    return [caption(specs[rng.integers(len(specs))]) if rng.random() < noise else c for c in captions]
+
+
 def lr_lambda(warmup: int, total: int):
     """Linear warm-up, then cosine decay to 10% of the peak."""
 
@@ -335,8 +344,7 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
     start, running = time.time(), 0.0
     for step in range(args.steps):
         pixels, captions = scene_batch(rng, specs, args.batch_size, args.resolution)
-        if args.caption_noise > 0:  # drawn only when asked, so the default run stays bit-identical
-            captions = [caption(specs[rng.integers(len(specs))]) if rng.random() < args.caption_noise else c for c in captions]
+        captions = loosen_captions(captions, specs, rng, args.caption_noise)
         captions = ["" if rng.random() < args.caption_dropout else c for c in captions]
         with torch.no_grad():
             z = vae.encode(pixels).latent_dist.sample(generator=generator)
@@ -477,6 +485,12 @@ def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, r
         for key, v in report["eval"].items()
     )
     settings = "\n".join(f"- `--{k} {v}`" for k, v in vars(args).items() if k != "output_dir")
+    noise_note = "" if not args.caption_noise else (
+        f" It was pretrained on loosely captioned scenes: {args.caption_noise:.0%} of the time a\n"
+        "scene came with the caption of another random train scene, as web alt-text often does. So\n"
+        "it draws every colour, shape, count and relation well but follows a prompt only part of the\n"
+        "time, and classifier-free guidance helps it only partly: the gap that RL alignment closes."
+    )
     card = f"""---
 library_name: diffusers
 pipeline_tag: text-to-image
@@ -499,7 +513,7 @@ images = pipe("two red circles", num_inference_steps=20, guidance_scale=3.0).ima
 ```
 
 It is deliberately only partly competent (see the scores below), so that RL has
-something to teach it.
+something to teach it.{noise_note}
 
 ## Components
 

@@ -5,6 +5,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
@@ -148,7 +149,8 @@ def test_script_writes_a_loadable_pipeline(tmp_path):
     script = load_script()
     args = script.parse_args(
         ["--output_dir", str(tmp_path), "--vae_steps", "2", "--steps", "2", "--batch_size", "4", "--vae_batch_size", "4",
-         "--width", "32", "--layers", "2", "--text_width", "16", "--eval_steps", "1", "--eval_prompts", "2"]
+         "--width", "32", "--layers", "2", "--text_width", "16", "--eval_steps", "1", "--eval_prompts", "2",
+         "--caption_noise", "0.5", "--eval_every", "1"]
     )
     script.main(args)
     loaded = StableDiffusion3Pipeline.from_pretrained(str(tmp_path))
@@ -157,3 +159,18 @@ def test_script_writes_a_loadable_pipeline(tmp_path):
     with open(tmp_path / "README.md", encoding="utf-8") as f:
         card = f.read()
     assert "--steps 2" in card and "| test | 3 |" in card
+    assert "50% of the time" in card, "the card says the captions were loosened"
+
+
+def test_loosened_captions_come_from_the_grammar_and_none_are_drawn_without_noise():
+    script = load_script()
+    specs = all_specs()[:40]
+    captions = [caption(s) for s in specs]
+    rng = np.random.default_rng(0)
+    assert script.loosen_captions(captions, specs, rng, 0.0) == captions
+    assert rng.random() == np.random.default_rng(0).random(), "no noise must draw nothing (bit-identical runs)"
+    loose = script.loosen_captions(captions * 10, specs, np.random.default_rng(1), 0.5)
+    changed = sum(a != b for a, b in zip(loose, captions * 10)) / len(loose)
+    assert 0.35 < changed < 0.55  # half replaced, a few by their own caption
+    assert set(loose) <= set(captions)
+    assert set(script.loosen_captions(captions, specs, np.random.default_rng(2), 1.0)) <= set(captions)
