@@ -306,8 +306,13 @@ def parse_args(argv=None):
     known = parser.parse_known_args(argv)[0]
     if known.pretrained_model_name_or_path is None:
         objective = known.objective or DEFAULT_RUN["objective"]
+        defaults = {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective]}
+        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+            # A full frozen copy on every rank is what ZeRO-3 exists to avoid: under zero3.yaml the
+            # no-argument run watches diversity and rewards without the drift from the reference.
+            defaults["watch_reference"] = False
         # Flags given on the command line still win over these defaults.
-        parser.set_defaults(**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective])
+        parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
     args.objective = args.objective or "grpo"
     try:

@@ -36,3 +36,16 @@ def test_a_users_own_model_gets_the_plain_defaults_not_the_toy_run(tmp_path):
                        "--reward_fn", "toy_geneval"])
     assert args.objective == "grpo" and args.noise_level == 0.7 and args.same_latent
     assert args.max_train_steps is None and args.eval_prompt_dataset is None
+
+
+def test_the_no_argument_run_swaps_to_zero3_without_another_flag(monkeypatch, capsys):
+    # What accelerate launch sets for accelerate_configs/zero3.yaml: the default run must start
+    # as it is (its reward watch without the frozen full copy); asking for the copy is refused.
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    args = train_args.parse_args([])
+    assert args.watch_reference is False and args.objective == DEFAULT_RUN["objective"]
+    with pytest.raises(SystemExit):
+        train_args.parse_args(["--watch_reference"])
+    assert "ZeRO-3" in capsys.readouterr().err
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2")
+    assert train_args.parse_args([]).watch_reference is True
