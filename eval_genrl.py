@@ -68,6 +68,8 @@ def parse_args(input_args=None):
                         help="Default: what the export evaluated with during training, else 16.")
     parser.add_argument("--guidance_scale", type=float, default=None,
                         help="Default: what the export evaluated with during training, else 4.5.")
+    parser.add_argument("--ode_solver", choices=["euler", "ab2"], default=None,
+                        help="Default: what the export evaluated with during training, else euler.")
     parser.add_argument("--negative_prompt", type=str, default="")
     parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
     parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")
@@ -83,7 +85,7 @@ def parse_args(input_args=None):
     # trained model is scored on the prompts, batches, noise and reward its training run used.
     trained = trained_settings(args.model) or trained_settings(args.compare)
     fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
-                "max_batches": 8, "batch_size": 4, "seed": 0}
+                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler"}
     for key, value in fallback.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, value))
@@ -141,6 +143,7 @@ def trained_settings(path: str | None) -> dict:
         "max_batches": trained.get("eval_max_batches"),
         "batch_size": trained.get("eval_batch_size"),
         "seed": trained.get("eval_seed"),
+        "ode_solver": trained.get("ode_solver"),
     }
     return {k: v for k, v in settings.items() if v is not None}
 
@@ -206,6 +209,7 @@ def main(args):
         width=args.width,
         num_frames=args.num_frames,
         negative_prompt=args.negative_prompt,
+        ode_solver=args.ode_solver,
     )
     logger.info(
         f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 
 from genrl.policies.base import FlowPolicy
-from genrl.sde import SDE_TYPES, SDEStepOutput, sde_step_with_logprob
+from genrl.sde import ODE_SOLVERS, SDE_TYPES, SDEStepOutput, adams_bashforth2_velocity, sde_step_with_logprob
 from genrl.seeding import latent_generator, noise_generator, window_generator
 
 
@@ -37,6 +37,9 @@ class SamplingConfig:
     same_latent: the K samples of a prompt start from the same initial noise.
     record_means: also keep each recorded step's SDE mean (GRPO-Guard's ratio needs it; one
         more latent per recorded step, so off unless asked).
+    ode_solver: how deterministic steps integrate: "euler", or "ab2" (two-step Adams-Bashforth,
+        ``genrl.sde.adams_bashforth2_velocity``) after a deterministic step of the same sample
+        (Euler after a stochastic one, and at the first step). Stochastic steps are always the SDE's.
     """
 
     num_inference_steps: int = 16
@@ -51,10 +54,13 @@ class SamplingConfig:
     same_latent: bool = True
     negative_prompt: str = ""
     record_means: bool = False
+    ode_solver: str = "euler"
 
     def __post_init__(self):
         if self.sde_type not in SDE_TYPES:
             raise ValueError(f"Unknown sde_type {self.sde_type!r}; expected one of {SDE_TYPES}.")
+        if self.ode_solver not in ODE_SOLVERS:
+            raise ValueError(f"Unknown ode_solver {self.ode_solver!r}; expected one of {ODE_SOLVERS}.")
         if self.noise_level < 0:
             raise ValueError(f"noise_level must be >= 0; got {self.noise_level}.")
         if self.sde_window_size < 0:
@@ -155,7 +161,8 @@ def sample_rollout(
     draws its own, sequentially from one generator); the SDE noise still comes from the
     per-sample generators. ``on_step(latents, timesteps, embeds, velocity)`` is called at every
     step with the state ``(B, ...)``, its timesteps ``(B,)``, the prompt embeddings and the
-    (guided) velocity the step takes (the reward watch measures drift from the reference there)."""
+    model's (guided) velocity there (the reward watch measures drift from the reference there;
+    with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one)."""
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
@@ -179,18 +186,25 @@ def sample_rollout(
     stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config)
 
     records: list[list[tuple]] = [[] for _ in range(batch)]
+    prev_velocity = None
     for i in range(len(timesteps)):
         t = timesteps[i].expand(batch)
         velocity = policy.predict_velocity(transformer, latents, t, embeds, config.guidance_scale)
         if on_step is not None:
             on_step(latents, t, embeds, velocity)
+        step_velocity = velocity
+        if config.ode_solver == "ab2" and i > 0:  # after a deterministic step: second order
+            multistep = (~stochastic[:, i] & ~stochastic[:, i - 1]).view(-1, *([1] * (velocity.ndim - 1)))
+            ab2 = adams_bashforth2_velocity(velocity, prev_velocity, sigmas[i + 1] - sigmas[i], sigmas[i] - sigmas[i - 1])
+            step_velocity = torch.where(multistep.to(velocity.device), ab2.to(velocity.dtype), velocity)
+        prev_velocity = velocity
         next_latents = torch.empty_like(latents)
         for is_stochastic in (False, True):
             rows = (stochastic[:, i] == is_stochastic).nonzero().flatten().tolist()
             if not rows:
                 continue
             out = sde_step_with_logprob(
-                velocity[rows],
+                step_velocity[rows],
                 sigmas[i],
                 sigmas[i + 1],
                 latents[rows],
@@ -211,7 +225,7 @@ def sample_rollout(
     samples = torch.cat([policy.decode(latents[b : b + 1]).detach().cpu() for b in range(batch)])
     decode_seconds = time.perf_counter() - decode_start
     state_shape = latents.shape[1:]
-    del next_latents, velocity
+    del next_latents, velocity, step_velocity, prev_velocity
     rollout = _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
     rollout.final_latents = latents
     rollout.decode_seconds = decode_seconds

@@ -17,6 +17,9 @@ from typing import Sequence, Union
 import torch
 
 SDE_TYPES = ("flow_sde", "flow_cps")
+# How deterministic (noise 0) steps integrate the ODE: Euler (diffusers' scheduler) or the
+# two-step Adams-Bashforth method (second order, still one model call per step).
+ODE_SOLVERS = ("euler", "ab2")
 # transition: the KL of the two Gaussian transitions, divided by 2 (std_t sqrt|dt|)^2 (Flow-GRPO's
 # Wan script, Flash-GRPO). sde_variance: divided by 2 std_t^2 (Flow-GRPO's SD3 script), i.e. the
 # transition KL times |dt|: 5-20x weaker at 10 steps for the same beta.
@@ -153,6 +156,22 @@ def sde_step_with_logprob(
         log_prob = -((next_sample - mean) ** 2).mean(dim=tuple(range(1, x.ndim)))
         log_prob = torch.where(std > 0, log_prob, torch.zeros_like(log_prob))
     return SDEStepOutput(next_sample=next_sample, log_prob=log_prob, mean=mean, std=std)
+
+
+def adams_bashforth2_velocity(
+    velocity: torch.Tensor, prev_velocity: torch.Tensor, dt: float | torch.Tensor, dt_prev: float | torch.Tensor
+) -> torch.Tensor:
+    """The velocity an Euler step should take to make a two-step Adams-Bashforth step of the
+    ODE dx/dsigma = v on a non-uniform grid (second order, one model call per step):
+
+        x_{n+1} = x_n + dt_n [(1 + r/2) v_n - (r/2) v_{n-1}],   r = dt_n / dt_{n-1},
+
+    i.e. v_eff = v_n + (r/2) (v_n - v_{n-1}). ``velocity`` v_n and ``prev_velocity`` v_{n-1}
+    are ``(B, ...)``; ``dt`` and ``dt_prev`` (sigma_next - sigma of this and of the previous
+    step, both negative when denoising) are scalars. Float32."""
+    r = float(dt) / float(dt_prev)
+    v = velocity.float()
+    return v + 0.5 * r * (v - prev_velocity.float())
 
 
 def kl_between_means(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde",
                        help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one.")
+    group.add_argument("--ode_solver", choices=["euler", "ab2"], default="euler",
+                       help="Deterministic steps (rollouts and evaluation): Euler, or the second-order two-step "
+                            "Adams-Bashforth method (one model call per step, as Euler).")
     group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
     group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                        help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")
@@ -462,11 +465,11 @@ def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
         sde_type=args.sde_type, sde_window_size=args.sde_window_size,
         sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
-        same_latent=args.same_latent, record_means=args.grpo_guard, **common,
+        same_latent=args.same_latent, record_means=args.grpo_guard, ode_solver=args.ode_solver, **common,
     )
     eval_sampling = SamplingConfig(
         num_inference_steps=args.eval_num_inference_steps or args.num_inference_steps,
         guidance_scale=args.eval_guidance_scale if args.eval_guidance_scale is not None else args.guidance_scale,
-        noise_level=0.0, **common,
+        noise_level=0.0, ode_solver=args.ode_solver, **common,
     )
     return sampling, eval_sampling

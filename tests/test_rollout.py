@@ -153,3 +153,33 @@ def test_bad_configs_fail_early(policies):
         sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
     with pytest.raises(ValueError, match="group index"):
         sample_rollout(policy, policy.transformer, PROMPTS, [0], seed=0, epoch=0, config=SamplingConfig(), device="cpu")
+
+
+def test_ab2_starts_with_euler_moves_on_in_second_order_and_leaves_sde_steps_alone(policies):
+    policy = policies["sd3"]
+
+    def run(solver: str, noise_level: float, **extra):
+        states = []
+        config = SamplingConfig(num_inference_steps=4, noise_level=noise_level, guidance_scale=3.0, ode_solver=solver, **extra)
+        rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config,
+                                 device="cpu", on_step=lambda x, t, embeds, v: states.append((x.clone(), v.clone())))
+        return rollout, states
+
+    euler, euler_states = run("euler", 0.0)
+    ab2, ab2_states = run("ab2", 0.0)
+    assert torch.equal(ab2_states[1][0], euler_states[1][0]), "the first step has no history: Euler"
+    # The second step: x2 = x1 + dt1 (v1 + r/2 (v1 - v0)), r = dt1 / dt0, from the loop's own sigmas.
+    _, sigmas = policy.timesteps_and_sigmas(4, euler.final_latents, "cpu")
+    (x1, v1), v0 = ab2_states[1], ab2_states[0][1]
+    dt0, dt1 = float(sigmas[1] - sigmas[0]), float(sigmas[2] - sigmas[1])
+    expected = x1 + dt1 * (v1 + 0.5 * (dt1 / dt0) * (v1 - v0))
+    assert torch.allclose(ab2_states[2][0], expected, atol=1e-6)
+    assert not torch.equal(ab2.final_latents, euler.final_latents)
+    # Every step stochastic (the last one, to sigma 0, is deterministic but follows an SDE step):
+    # the solver changes nothing, and the recorded log-probs are the SDE's.
+    sde_euler, _ = run("euler", 0.7)
+    sde_ab2, _ = run("ab2", 0.7)
+    assert torch.equal(sde_ab2.final_latents, sde_euler.final_latents)
+    assert torch.equal(sde_ab2.log_probs, sde_euler.log_probs)
+    with pytest.raises(ValueError, match="ode_solver"):
+        SamplingConfig(ode_solver="rk4")

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from genrl.sde import MIN_STD, flow_sde_std, kl_between_means, sde_step_with_logprob
+from genrl.sde import MIN_STD, adams_bashforth2_velocity, flow_sde_std, kl_between_means, sde_step_with_logprob
 
 torch.set_num_threads(2)
 
@@ -184,3 +184,32 @@ def test_kl_forms_divide_by_the_transition_or_the_sde_variance():
     torch.testing.assert_close(kl_in_form(kl, sigma, sigma_next, "sde_variance"), d2 / (2 * std_t**2))
     with pytest.raises(ValueError, match="KL form"):
         kl_in_form(kl, sigma, sigma_next, "nats")
+
+
+def test_adams_bashforth2_velocity_hand_value():
+    # r = dt / dt_prev = -0.2 / -0.4 = 0.5: v_eff = v + 0.25 (v - v_prev).
+    v, v_prev = torch.tensor([1.0, -2.0]), torch.tensor([3.0, 2.0])
+    got = adams_bashforth2_velocity(v, v_prev, -0.2, -0.4)
+    assert torch.allclose(got, torch.tensor([0.5, -3.0]))
+    assert torch.equal(adams_bashforth2_velocity(v, v, -0.1, -0.3), v), "a constant velocity is integrated exactly"
+
+
+@pytest.mark.parametrize("solver, order", [("euler", 1), ("ab2", 2)])
+def test_ab2_is_second_order_on_a_non_uniform_grid(solver, order):
+    # dx/dsigma = x cos(sigma) from sigma = 1 to 0: x(0) = x(1) exp(-sin 1). Shifted grids
+    # (non-uniform, as the schedulers' are); AB2 starts with one Euler step.
+    def integrate(steps: int) -> float:
+        sigmas = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+        sigmas = sigmas * 3 / (1 + 2 * sigmas)  # diffusers' time shift 3
+        x, prev, prev_dt = torch.tensor([1.0], dtype=torch.float64), None, None
+        for i in range(steps):
+            dt = float(sigmas[i + 1] - sigmas[i])
+            v = x * math.cos(float(sigmas[i]))
+            step_v = v if solver == "euler" or prev is None else adams_bashforth2_velocity(v, prev, dt, prev_dt).double()
+            x, prev, prev_dt = x + dt * step_v, v, dt
+        return float(x)
+
+    exact = math.exp(-math.sin(1.0))
+    errors = [abs(integrate(n) - exact) for n in (20, 40, 80)]
+    ratios = [errors[0] / errors[1], errors[1] / errors[2]]
+    assert all(2 ** order * 0.8 < r < 2 ** order * 1.25 for r in ratios), (errors, ratios)
