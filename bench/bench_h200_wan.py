@@ -132,6 +132,11 @@ def parse_args(argv=None):
     parser.add_argument("--num_layers", type=int, default=None,
                         help="Override the number of transformer blocks (e.g. 2 for a smoke test of the real width on a CPU).")
     parser.add_argument("--peak_tflops", type=float, default=790.0, help="Peak dense bf16 TFLOP/s of the device (MFU).")
+    parser.add_argument("--compile", action="store_true",
+                        help="Regional torch.compile of the transformer's blocks (train_genrl.py --compile); the "
+                             "timed repeats follow one untimed warm-up that compiles.")
+    parser.add_argument("--attention_backend", type=str, default=None,
+                        help="diffusers attention backend (train_genrl.py --attention_backend), e.g. _native_cudnn, flash.")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     args.height = args.height or sizes["height"]
@@ -200,6 +205,15 @@ def main(args) -> list[dict]:
     policy = build_policy(config, args.text_len, device, weight_dtype)
     accelerator = build_single_process_accelerator(device, mixed_precision)
     transformer = policy.transformer.requires_grad_(True)
+    if args.attention_backend:  # the same helpers as train_genrl.py's flags
+        from genrl.acceleration import probe_attention_backend, set_attention_backend
+
+        probe_attention_backend(args.attention_backend, device, weight_dtype)
+        set_attention_backend([transformer], args.attention_backend, device=device, dtype=weight_dtype)
+    if args.compile:
+        from genrl.acceleration import compile_repeated_blocks
+
+        compile_repeated_blocks(transformer, fullgraph=True)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6)
     model, optimizer = accelerator.prepare(transformer, optimizer)
     build_s = time.perf_counter() - start
@@ -217,7 +231,8 @@ def main(args) -> list[dict]:
         "height": args.height, "width": args.width, "frames": args.num_frames, "latent_shape": list(latent_shape),
         "text_len": args.text_len, "steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
         "forward_flops_per_sequence": flops_per_sequence, "peak_tflops": args.peak_tflops,
-        "mem_kind": common.memory_kind(device),
+        "mem_kind": common.memory_kind(device), "compile": args.compile,
+        "attention_backend": args.attention_backend or "default",
     }
 
     model.eval()
