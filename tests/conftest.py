@@ -93,9 +93,10 @@ def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":
 
 def script_errors(stderr: str, script: str = "train_genrl.py") -> list[str]:
     """The ``<script>: error: <sentence>`` reports in a script's stderr, in order (a progress bar
-    left open may share their line)."""
+    left open may share their line, and so may another rank's report: two processes writing at
+    once can put both sentences before either newline)."""
     prefix = f"{script}: error: "
-    return [line[line.index(prefix):] for line in stderr.splitlines() if prefix in line]
+    return [prefix + piece for line in stderr.splitlines() for piece in line.split(prefix)[1:]]
 
 
 @pytest.fixture(scope="session")
