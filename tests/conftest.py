@@ -68,20 +68,11 @@ SLOW_MODULES = {"test_train_distributed", "test_train_objectives", "test_train_s
 SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
 
 
-# The files with the most launches go first: pytest-xdist hands out whole files in collection
-# order (--dist loadfile), and the alphabetical order left the longest ones (test_train_*) to the
-# end, with one worker finishing them alone while the other idled.
-LONGEST_FIRST = ("test_train_distributed", "test_train_script", "test_train_objectives", "test_bench",
-                 "test_reward_watch", "test_nan_guard", "test_train_hub", "test_hung_peer")
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable
 
 
 def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":
