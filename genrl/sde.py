@@ -168,9 +168,10 @@ def adams_bashforth2_velocity(
 
     i.e. v_eff = v_n + (r/2) (v_n - v_{n-1}). ``velocity`` v_n and ``prev_velocity`` v_{n-1}
     are ``(B, ...)``; ``dt`` and ``dt_prev`` (sigma_next - sigma of this and of the previous
-    step, both negative when denoising) are scalars. Float32."""
-    r = float(dt) / float(dt_prev)
+    step, both negative when denoising) are scalars or 0-d tensors (kept on the device: no sync
+    in the denoising loop). Float32."""
     v = velocity.float()
+    r = torch.as_tensor(dt, dtype=torch.float32, device=v.device) / torch.as_tensor(dt_prev, dtype=torch.float32, device=v.device)
     return v + 0.5 * r * (v - prev_velocity.float())
 
 
