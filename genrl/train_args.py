@@ -58,6 +58,12 @@ DEFAULT_RUN_BY_OBJECTIVE = {
 }
 
 
+def under_zero3() -> bool:
+    """Whether this process was launched with a ZeRO-3 config (``accelerate launch`` sets the
+    stage in the environment before the script parses its arguments)."""
+    return os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line: the usage block (80 lines here) would bury
     the sentence that says what to change; ``--help`` still shows it."""
@@ -310,7 +316,7 @@ def parse_args(argv=None):
     if known.pretrained_model_name_or_path is None:
         objective = known.objective or DEFAULT_RUN["objective"]
         defaults = {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective]}
-        if os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+        if under_zero3():
             # A full frozen copy on every rank is what ZeRO-3 exists to avoid: under zero3.yaml the
             # no-argument run watches diversity and rewards without the drift from the reference.
             defaults["watch_reference"] = False
@@ -393,12 +399,12 @@ def validate_args(args) -> None:
                                 sde_window_range=tuple(args.sde_window_range))
         sde_window_start("", args.seed, 0, args.num_inference_steps, window)
     # accelerate launch exports the config's ZeRO stage, so this is known before any model loads.
-    if args.beta > 0 and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+    if args.beta > 0 and not args.use_lora and under_zero3():
         raise ValueError(
             "--beta > 0 with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or --beta 0."
         )
-    if args.watch_reference and not args.use_lora and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+    if args.watch_reference and not args.use_lora and under_zero3():
         raise ValueError(
             "--watch_reference with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or leave --watch_reference out."
@@ -413,7 +419,7 @@ def validate_args(args) -> None:
             f"--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got {args.watch_patience} and "
             f"{args.watch_diversity_fraction}."
         )
-    if args.compile and os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3":
+    if args.compile and under_zero3():
         raise ValueError(
             "--compile does not work under ZeRO-3 (DeepSpeed gathers each block's partitioned weights in hooks that "
             "torch.compile cannot trace); use --compile with zero2, multi_gpu or one process, or leave it out under zero3."
