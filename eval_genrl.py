@@ -70,6 +70,8 @@ def parse_args(input_args=None):
                         help="Default: what the export evaluated with during training, else 4.5.")
     parser.add_argument("--ode_solver", choices=["euler", "ab2"], default=None,
                         help="Default: what the export evaluated with during training, else euler.")
+    parser.add_argument("--vae_decode_batch_size", type=int, default=1,
+                        help="Samples per VAE decode call (1: bounded memory, batch-layout independent).")
     parser.add_argument("--negative_prompt", type=str, default="")
     parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
     parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")
@@ -92,6 +94,8 @@ def parse_args(input_args=None):
 
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
+    if args.vae_decode_batch_size < 1:
+        parser.error(f"--vae_decode_batch_size must be at least 1; got {args.vae_decode_batch_size}.")
     if args.max_batches < 0:
         parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
     if args.save_samples < -1:
@@ -210,6 +214,7 @@ def main(args):
         num_frames=args.num_frames,
         negative_prompt=args.negative_prompt,
         ode_solver=args.ode_solver,
+        decode_batch_size=args.vae_decode_batch_size,
     )
     logger.info(
         f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "

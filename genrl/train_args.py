@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--ode_solver", choices=["euler", "ab2"], default="euler",
                        help="Deterministic steps (rollouts and evaluation): Euler, or the second-order two-step "
                             "Adams-Bashforth method (one model call per step, as Euler).")
+    group.add_argument("--vae_decode_batch_size", type=int, default=1,
+                       help="Samples per VAE decode call (rollouts and evaluation). 1 bounds the VAE's memory and "
+                            "makes samples independent of the batch layout; more is faster for images on a GPU.")
     group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
     group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                        help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")
@@ -389,6 +392,8 @@ def validate_args(args) -> None:
         )
     if args.objective == "nft" and not args.nft_beta > 0:
         raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
+    if args.vae_decode_batch_size < 1:
+        raise ValueError(f"--vae_decode_batch_size must be at least 1, got {args.vae_decode_batch_size}.")
     if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
         raise ValueError(
             f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
@@ -466,7 +471,8 @@ def num_trained_timesteps(args) -> int:
 def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
     """How rollouts are sampled, and how evaluation samples (deterministic: noise level 0, its
     own steps and guidance, defaulting to the rollouts')."""
-    common = dict(height=args.height, width=args.width, num_frames=args.num_frames, negative_prompt=args.negative_prompt)
+    common = dict(height=args.height, width=args.width, num_frames=args.num_frames, negative_prompt=args.negative_prompt,
+                  decode_batch_size=args.vae_decode_batch_size)
     sampling = SamplingConfig(
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
         sde_type=args.sde_type, sde_window_size=args.sde_window_size,

@@ -155,6 +155,26 @@ def test_bad_configs_fail_early(policies):
         sample_rollout(policy, policy.transformer, PROMPTS, [0], seed=0, epoch=0, config=SamplingConfig(), device="cpu")
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_decoding_in_chunks_gives_the_one_at_a_time_samples(family, policies, monkeypatch):
+    """--vae_decode_batch_size only changes how many samples a VAE call decodes: the same
+    samples to float rounding, every one of them (a chunk of 2 rows and one of 1)."""
+    policy = policies[family]
+    one = SamplingConfig(num_inference_steps=3, noise_level=0.0, decode_batch_size=1)
+    chunked = SamplingConfig(num_inference_steps=3, noise_level=0.0, decode_batch_size=2)
+    calls = []
+    decode = policy.decode
+    monkeypatch.setattr(policy, "decode", lambda latents: calls.append(len(latents)) or decode(latents))
+    a = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=one, device="cpu")
+    b = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=chunked, device="cpu")
+    assert calls == [1, 1, 1, 2, 1]
+    assert torch.equal(a.final_latents, b.final_latents)
+    assert a.samples.shape == b.samples.shape and a.samples.shape[0] == len(PROMPTS) == 3
+    torch.testing.assert_close(b.samples, a.samples, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="decode_batch_size"):
+        SamplingConfig(decode_batch_size=0)
+
+
 def test_ab2_starts_with_euler_moves_on_in_second_order_and_leaves_sde_steps_alone(policies):
     policy = policies["sd3"]
 

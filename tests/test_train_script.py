@@ -218,6 +218,7 @@ def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3
 @pytest.mark.parametrize("extra, flag", [
     (["--train_batch_size", "3"], "--train_batch_size 2"),
     (["--group_size", "three"], "--group_size"),  # argparse's own errors are one line too
+    (["--vae_decode_batch_size", "0"], "--vae_decode_batch_size must be at least 1"),
 ])
 def test_other_bad_flags_are_one_line_too(tiny_sd3, prompt_file, tmp_path, capsys, extra, flag):
     """The same parser in-process (a launch per case costs a full import of the script)."""
