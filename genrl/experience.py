@@ -92,7 +92,9 @@ class EpochAdvantages:
     kept: ``(k,)`` long, the indices of the samples trained on (all B, or with
         ``filter_zero_advantage`` the informative ones; k is the same on every process).
     logs: ``reward/<name>_mean``, ``reward/<name>_std`` over every process's samples,
-        ``reward/zero_std_ratio``, ``train/kept_fraction``.
+        ``reward/zero_std_ratio``, ``train/kept_fraction`` (trained on) and
+        ``train/informative_fraction`` (|A| > 1e-8, what ``filter_zero_advantage`` keeps before
+        rounding up to a multiple of the micro batch).
     """
 
     advantages: torch.Tensor
@@ -133,4 +135,5 @@ def epoch_advantages(
     logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
     logs["reward/zero_std_ratio"] = zero_std_ratio(sum(weights[n] * gathered[n] for n in names), group_ids)
     logs["train/kept_fraction"] = keep.float().mean().item()
+    logs["train/informative_fraction"] = (advantages.abs() > 1e-8).float().mean().item()
     return EpochAdvantages(per_rank[accelerator.process_index], keep[accelerator.process_index].nonzero().squeeze(1), logs)

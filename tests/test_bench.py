@@ -32,6 +32,7 @@ RUNS = {
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
     "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick"]),
     "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2"]),
+    "epoch": ("epoch", ["bench_epoch.py", "--quick", "--epochs", "3"]),
 }
 
 
@@ -125,6 +126,18 @@ def test_scaling_moves_one_axis_at_a_time(runs):
     for axis, rows in by_axis.items():
         assert [r["value"] for r in rows] == [r[field[axis]] for r in rows]
         assert len({r["value"] for r in rows}) == len(rows) > 1
+
+
+def test_epoch_phases_fit_in_the_epoch_and_training_rounds_to_whole_micro_batches(runs):
+    _, figures = records(runs, "epoch")
+    epochs, median = figures[:-1], figures[-1]
+    assert [f["epoch"] for f in epochs] == [2, 3] and median["epoch"] == "median" and median["epochs"] == 2
+    for f in epochs:
+        positive(f, "rollout_s", "decode_s", "train_s", "epoch_s", "train_s_per_trained_sample")
+        assert f["rollout_s"] + f["decode_s"] + f["train_s"] <= f["epoch_s"]
+        # --quick: 8 samples per epoch, micro batch 4 x accumulation 1
+        assert 0 <= f["kept"] <= f["trained"] <= 8 and f["trained"] % 4 == 0, f
+        assert f["train_s_per_trained_sample"] == pytest.approx(f["train_s"] / f["trained"], rel=1e-3)
 
 
 def test_zero_memory_reports_every_rank_of_both_configs(runs):

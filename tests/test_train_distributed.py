@@ -174,3 +174,6 @@ def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
     kept = [l["train/kept_fraction"] for l in lines]
     assert len(kept) == 2 and all(0 < k <= 1 for k in kept)
     assert min(kept) < 1, "no group had equal scores: the filter was never exercised"
+    # Trained samples are the informative ones rounded up to whole micro batches on every rank.
+    informative = [l["train/informative_fraction"] for l in lines]
+    assert all(0 < i <= k for i, k in zip(informative, kept)), (informative, kept)
