@@ -35,7 +35,9 @@ from genrl.checkpointing import (
     checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
-from genrl.distributed import build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, zero_init_disabled
+from genrl.distributed import (
+    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, weight_dtypes, zero_init_disabled,
+)
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
 from genrl.experience import collect_rollouts, epoch_advantages
@@ -156,6 +158,10 @@ def main(args):
                                  num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
     model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)
+    weights_dtype, masters_dtype = weight_dtypes(model, optimizer)
+    logger.info(f"Trained weights in {str(weights_dtype).removeprefix('torch.')}, the optimizer's master weights in "
+                f"{str(masters_dtype).removeprefix('torch.') if masters_dtype else 'an unknown dtype'}.",
+                main_process_only=True)
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None

@@ -135,3 +135,25 @@ def peak_memory_gb(device: torch.device) -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # ru_maxrss is KiB on Linux
+
+
+def weight_dtypes(model: torch.nn.Module, optimizer) -> tuple[torch.dtype, torch.dtype | None]:
+    """(dtype of the trainable weights the forward pass uses, dtype of the weights the
+    optimizer steps, None if it cannot tell): fp32 / fp32 without DeepSpeed (bf16 is
+    autocast); under DeepSpeed's bf16 mode bf16 / fp32, its fp32 master partitions (ZeRO-1/2's
+    ``single_partition_of_fp32_groups``, ZeRO-3's ``fp32_partitioned_groups_flat``: ZeRO-3's
+    torch optimizer sees them only inside its step)."""
+    weights = next(p.dtype for p in model.parameters() if p.requires_grad)
+    chain = [optimizer]  # accelerate's wrapper -> (DeepSpeed's ZeRO optimizer ->) torch's
+    while getattr(chain[-1], "optimizer", None) is not None:
+        chain.append(chain[-1].optimizer)
+    for level in chain:
+        for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+            flats = [t for t in getattr(level, name, None) or [] if isinstance(t, torch.Tensor)]
+            if flats:
+                return weights, flats[0].dtype
+    for level in reversed(chain):
+        for group in getattr(level, "param_groups", []):
+            if group["params"]:
+                return weights, group["params"][0].dtype
+    return weights, None

@@ -30,9 +30,12 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
     from genrl.checkpointing import load_trained_policy
 
     out = str(tmp_path / "lora")
-    run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4", "--lora_alpha", "4",
-                                           "--beta", "0.1", "--lora_target_modules", "to_q,to_v",
-                                           "--mixed_precision", "bf16", "--gradient_checkpointing", "--reward_mode", "sync"))
+    proc = run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4",
+                                                  "--lora_alpha", "4", "--beta", "0.1", "--lora_target_modules", "to_q,to_v",
+                                                  "--mixed_precision", "bf16", "--gradient_checkpointing",
+                                                  "--reward_mode", "sync"))
+    # Without DeepSpeed bf16 is autocast: the adapter stays float32.
+    assert "Trained weights in float32, the optimizer's master weights in float32." in proc.stderr + proc.stdout
     lora = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
     assert lora and all("lora" in k for k in lora)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items()), "LoRA B stayed zero: nothing trained"
@@ -45,6 +48,23 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
     base = load_trained_policy(tiny_sd3)
     diffs = [(p - q).abs().max().item() for p, q in zip(trained.transformer.parameters(), base.transformer.parameters())]
     assert max(diffs) > 0, "the exported adapter did not change the loaded transformer"
+
+
+def test_deepspeed_bf16_trains_bf16_weights_from_fp32_masters(tiny_sd3, prompt_file, tmp_path):
+    """The bf16-weights lever (fused bf16 kernels, half the weight memory): DeepSpeed's bf16 mode,
+    also with one process. The forward runs bf16 weights, the optimizer steps fp32 masters, and
+    the update's recomputed log-probs still match the rollout's."""
+    out = str(tmp_path / "bf16")
+    proc = run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--num_epochs", "1", "--mixed_precision",
+                                                  "bf16", "--learning_rate", "1e-3"), config="zero2", num_processes=1)
+    assert "Trained weights in bfloat16, the optimizer's master weights in float32." in proc.stderr + proc.stdout
+    logged = [l for l in metrics(out) if "train/ratio_min" in l][-1]
+    assert 0 <= logged["train/approx_kl"] < 1e-3
+    assert 0.95 < logged["train/ratio_min"] <= logged["train/ratio_max"] < 1.05
+    trained = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
+    base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
+    key = "norm_out.linear.weight"
+    assert trained[key].dtype == torch.bfloat16 and not torch.equal(trained[key].float(), base[key].bfloat16().float())
 
 
 def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file, tmp_path):
