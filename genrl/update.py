@@ -118,6 +118,25 @@ def micro_steps(
                 yield order[start : start + micro], (train_steps[start : start + micro, j] if grpo else j)
 
 
+def informative_rows(
+    idx: torch.Tensor, steps: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """GRPO without a KL term: the samples of micro batch ``idx`` ``(b,)`` whose advantage is
+    non-zero, their recorded ``steps`` ``(b,)``, and the factor b'/b that keeps the loss the
+    micro batch's mean (``advantages`` ``(B,)``, the whole rollout's):
+
+        L = (1/b) sum_i l_i = (b'/b) (1/b') sum_{i: A_i != 0} l_i,
+
+    since l_i = max(-A_i r_i, -A_i clip(r_i)) and its gradient are 0 when A_i = 0, whatever the
+    ratio r_i. So the zero-advantage samples (the padding of ``--filter_zero_advantage``, whole
+    groups of equal rewards) cost no forward pass. With no informative sample: the first one
+    and factor 0, so that every rank still runs its backward pass (DDP and ZeRO reduce there)."""
+    nonzero = advantages[idx] != 0
+    if not bool(nonzero.any()):
+        return idx[:1], steps[:1], 0.0
+    return idx[nonzero], steps[nonzero], int(nonzero.sum()) / len(idx)
+
+
 def prepare_forward_batch(
     policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, kept: torch.Tensor, *, config: UpdateConfig,
     seed: int, epoch: int, device: torch.device,
@@ -190,11 +209,14 @@ def update_policy(
     for idx, step in micro_steps(kept, rollout.num_steps, config, generator):
         with accelerator.accumulate(model):
             if config.objective == "grpo":
+                # Without a KL term a zero-advantage sample adds nothing to the loss or its gradient.
+                rows, row_steps, scale = (idx, step, 1.0) if config.beta > 0 else informative_rows(idx, step, advantages)
                 loss, stats = grpo_step_loss(
-                    policy, model, rollout, idx, step, advantages, config=sampling, clip_range=config.clip_range,
+                    policy, model, rollout, rows, row_steps, advantages, config=sampling, clip_range=config.clip_range,
                     beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
                     guard=config.grpo_guard,
                 )
+                loss = loss * scale
             else:
                 loss, stats = forward_step_loss(
                     policy, model, forward_batch, rollout.embeds, idx, step, advantages, objective=config.objective,

@@ -147,6 +147,41 @@ def test_grpo_step_loss_ratio_is_one_on_the_recorded_transitions(policies):
     assert loss.item() == pytest.approx(-3.0, rel=1e-3)  # -mean(A * ratio) over samples 3 and 1
 
 
+def test_zero_advantage_samples_leave_grpos_forward_and_the_gradient_stays(policies):
+    """Without a KL term GRPO trains only the informative rows, scaled by b'/b: the same
+    gradient as the whole micro batch, for half the transformer's rows here."""
+    from genrl.update import informative_rows
+
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)
+    idx, steps, adv = torch.tensor([0, 1, 2, 3]), torch.tensor([0, 1, 1, 0]), torch.tensor([1.5, 0.0, -2.0, 0.0])
+    rows_seen = []
+    hook = policy.transformer.register_forward_pre_hook(
+        lambda m, args, kwargs: rows_seen.append(len(kwargs["hidden_states"])), with_kwargs=True)
+
+    def gradient(rows, row_steps, scale):
+        policy.transformer.zero_grad()
+        loss, _ = grpo_step_loss(policy, policy.transformer, rollout, rows, row_steps, adv, config=config, clip_range=0.2)
+        (loss * scale).backward()
+        return [p.grad.clone() for p in policy.transformer.parameters() if p.grad is not None]
+
+    try:
+        whole = gradient(idx, steps, 1.0)
+        rows, row_steps, scale = informative_rows(idx, steps, adv)
+        assert rows.tolist() == [0, 2] and row_steps.tolist() == [0, 1] and scale == 0.5
+        informative = gradient(rows, row_steps, scale)
+    finally:
+        hook.remove()
+        policy.transformer.zero_grad(set_to_none=True)
+    assert rows_seen == [8, 4]  # CFG: conditional and unconditional rows in one batch
+    assert len(whole) == len(informative) and any(g.abs().max() > 0 for g in whole)
+    for a, b in zip(whole, informative):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-7)
+    # Nothing informative: one row at factor 0, so every rank still runs a backward pass.
+    rows, row_steps, scale = informative_rows(idx, steps, torch.zeros(4))
+    assert rows.tolist() == [0] and row_steps.tolist() == [0] and scale == 0.0
+
+
 def test_guarded_grpo_step_is_on_policy_and_moves_with_the_recorded_means(policies):
     """GRPO-Guard's ratio is exactly 1 on the rollout's own transitions (recorded means kept
     through index/concat), and drops off 1 when the recorded means are not the policy's."""
