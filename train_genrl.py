@@ -36,7 +36,8 @@ from genrl.checkpointing import (
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
-    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, weight_dtypes, zero_init_disabled,
+    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, describe_weight_dtypes, weight_dtypes,
+    zero_init_disabled,
 )
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
@@ -158,10 +159,7 @@ def main(args):
                                  num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
     model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)
-    weights_dtype, masters_dtype = weight_dtypes(model, optimizer)
-    logger.info(f"Trained weights in {str(weights_dtype).removeprefix('torch.')}, the optimizer's master weights in "
-                f"{str(masters_dtype).removeprefix('torch.') if masters_dtype else 'an unknown dtype'}.",
-                main_process_only=True)
+    logger.info(describe_weight_dtypes(*weight_dtypes(model, optimizer)), main_process_only=True)
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
     trainable = [p for p in accelerator.unwrap_model(model).parameters() if p.requires_grad]
     ema = EMA(trainable, args.ema_decay, args.ema_update_interval, args.ema_warmup, args.ema_device) if args.use_ema else None
