@@ -33,6 +33,7 @@ from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
+from genrl.sde import ODE_SOLVERS
 
 logger = get_logger(__name__)
 
@@ -68,7 +69,7 @@ def parse_args(input_args=None):
                         help="Default: what the export evaluated with during training, else 16.")
     parser.add_argument("--guidance_scale", type=float, default=None,
                         help="Default: what the export evaluated with during training, else 4.5.")
-    parser.add_argument("--ode_solver", choices=["euler", "ab2"], default=None,
+    parser.add_argument("--ode_solver", choices=ODE_SOLVERS, default=None,
                         help="Default: what the export evaluated with during training, else euler.")
     parser.add_argument("--vae_decode_batch_size", type=int, default=1,
                         help="Samples per VAE decode call (1: bounded memory, batch-layout independent).")

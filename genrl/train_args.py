@@ -17,6 +17,7 @@ from genrl.acceleration import check_attention_backend_name
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.sampler import check_batch_sizes
+from genrl.sde import ODE_SOLVERS, SDE_TYPES
 
 # The repository root: the shipped model and prompts live under genrl/assets.
 GENRL_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -156,9 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--guidance_scale", type=float, default=4.5, help="Classifier-free guidance scale (1: off).")
     group.add_argument("--negative_prompt", type=str, default="", help="Negative prompt for classifier-free guidance.")
     group.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
-    group.add_argument("--sde_type", choices=["flow_sde", "flow_cps"], default="flow_sde",
+    group.add_argument("--sde_type", choices=SDE_TYPES, default="flow_sde",
                        help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one.")
-    group.add_argument("--ode_solver", choices=["euler", "ab2"], default="euler",
+    group.add_argument("--ode_solver", choices=ODE_SOLVERS, default="euler",
                        help="Deterministic steps (rollouts and evaluation): Euler, or the second-order two-step "
                             "Adams-Bashforth method (one model call per step, as Euler).")
     group.add_argument("--vae_decode_batch_size", type=int, default=1,

@@ -68,6 +68,19 @@ def _script_args(model, prompts_file, output_dir, *extra):
             "--reward_fn", "jpeg_compressibility,temporal_smoothness:0.5", *extra]
 
 
+@pytest.mark.parametrize("extra, sentence", [
+    (["--batch_size", "0"], "--batch_size must be at least 1; got 0."),
+    (["--vae_decode_batch_size", "0"], "--vae_decode_batch_size must be at least 1; got 0."),
+    (["--max_batches", "-1"], "--max_batches must be >= 0 (0 = every prompt); got -1."),
+    (["--ode_solver", "rk4"], "argument --ode_solver: invalid choice: 'rk4'"),
+])
+def test_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, capsys, extra, sentence):
+    """The model path is never opened: parsing alone refuses these."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.parse_args(_script_args(str(tmp_path / "no-model"), str(tmp_path / "p.txt"), tmp_path / "out", *extra))
+    assert exit_info.value.code == 2 and sentence in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------ batch plan
 
 
