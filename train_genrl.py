@@ -174,6 +174,7 @@ def main(args):
         num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
         shuffle_timesteps=not args.no_timestep_shuffle, max_train_steps=args.max_train_steps, beta=args.beta,
         kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
+        grpo_guard_reweight=args.grpo_guard_reweight,
         sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
     )
     eval_plan = None if eval_set is None else EvalPlan(

@@ -43,6 +43,26 @@ def guarded_log_ratio(
     return torch.where(s > 0, log_ratio, torch.zeros_like(log_ratio))
 
 
+def guard_timestep_weights(sigmas: torch.Tensor, sigmas_next: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """GRPO-Guard's per-timestep gradient reweighting (arXiv:2510.22319, Sec. 3.2.3), ``(B,)`` float32.
+
+    A flow_sde step's mean moves with the velocity as d mu / d v = -(1 + a^2 / 2) dt (a the noise
+    level, dt = sigma - sigma_next), so the normalised log-ratio's gradient
+    (``guarded_log_ratio``) shrinks with the step, and a shifted schedule trains its short steps
+    less. The paper weights each step's loss by 1 / dt; here that is divided by the mean step of
+    a T-step schedule from 1 to 0, so a uniform schedule has every weight 1 and the loss keeps
+    plain GRPO's scale (the gradient-clipping threshold means the same):
+
+        w = 1 / (T dt)
+
+    ``sigmas``, ``sigmas_next`` ``(B,)``: each sample's trained step; a zero-length step weighs 0.
+    """
+    if num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, got {num_steps}.")
+    dt = (sigmas.float() - sigmas_next.float()).detach()
+    return torch.where(dt > 0, 1.0 / (num_steps * dt.clamp_min(1e-12)), torch.zeros_like(dt))
+
+
 def grpo_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -51,11 +71,14 @@ def grpo_loss(
     kl: torch.Tensor | None = None,
     beta: float = 0.0,
     log_ratio: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped policy-ratio loss for one trained timestep of B samples, in float32.
 
     ratio = exp(logp - logp_old)      (or exp(log_ratio) when given: GRPO-Guard's)
-    L = mean(max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))) + beta mean(kl)
+    L = mean(w max(-A ratio, -A clip(ratio, 1 - eps, 1 + eps))) + beta mean(kl)
+
+    ``weights`` w (B,) are constants, 1 when not given (GRPO-Guard's ``guard_timestep_weights``).
 
     ``log_prob`` (B,) carries the gradient; ``old_log_prob`` (B,) (from the rollout),
     ``advantages`` (B,) are constants. ``kl`` (B,) is the per-sample KL to the reference.
@@ -77,6 +100,8 @@ def grpo_loss(
         raise ValueError(f"log_ratio must be (B,) like log_prob {tuple(log_prob.shape)}, got {tuple(log_ratio.shape)}.")
     if beta != 0 and kl is None:
         raise ValueError(f"beta={beta} weights a KL term, but no kl was given; pass kl or set beta to 0.")
+    if weights is not None and weights.shape != log_prob.shape:
+        raise ValueError(f"weights must be (B,) like log_prob {tuple(log_prob.shape)}, got {tuple(weights.shape)}.")
 
     log_prob = log_prob.float()
     old = old_log_prob.detach().float()
@@ -85,7 +110,10 @@ def grpo_loss(
     ratio = torch.exp(delta)
     unclipped = -adv * ratio
     clipped = -adv * torch.clamp(ratio, 1.0 - clip_range, 1.0 + clip_range)
-    policy_loss = torch.maximum(unclipped, clipped).mean()
+    per_sample = torch.maximum(unclipped, clipped)
+    if weights is not None:
+        per_sample = weights.detach().float() * per_sample
+    policy_loss = per_sample.mean()
     loss = policy_loss
 
     stats = {"policy_loss": policy_loss.detach()}

@@ -15,7 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from genrl.grpo import grpo_loss, guarded_log_ratio
+from genrl.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio
 from genrl.nft import awm_loss, forward_noise, nft_loss, velocity_kl
 from genrl.policies.base import FlowPolicy, unwrap_module
 from genrl.rollout import Rollout, SamplingConfig, step_log_prob
@@ -52,12 +52,14 @@ def grpo_step_loss(
     frozen_reference: torch.nn.Module | None = None,
     kl_form: str = "transition",
     guard: bool = False,
+    reweight: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of samples ``idx`` ``(b,)`` at their recorded steps ``steps`` ``(b,)`` (column
     indices into the rollout's ``(B, S)`` records); ``advantages`` ``(B,)`` of the whole rollout.
     With ``beta`` > 0 the KL to the reference policy's SDE mean is added, in ``kl_form``
     (``genrl.sde.kl_in_form``). ``guard``: GRPO-Guard's normalised ratio
-    (``genrl.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps)."""
+    (``genrl.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps).
+    ``reweight``: GRPO-Guard's per-timestep weights 1 / (T dt) (``genrl.grpo.guard_timestep_weights``)."""
     embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
     transition = (
         rollout.latents[idx, steps], rollout.next_latents[idx, steps], rollout.timesteps[idx, steps],
@@ -76,8 +78,11 @@ def grpo_step_loss(
             raise ValueError("GRPO-Guard's ratio needs the rollout's recorded SDE means of flow_sde steps.")
         old_mean = rollout.means[idx, steps].to(out.mean.device)
         log_ratio = guarded_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
+    weights = None
+    if reweight:
+        weights = guard_timestep_weights(transition[3], transition[4], config.num_inference_steps).to(out.log_prob.device)
     adv = advantages[idx].to(out.log_prob.device)
-    return grpo_loss(out.log_prob, old, adv, clip_range, kl=kl, beta=beta, log_ratio=log_ratio)
+    return grpo_loss(out.log_prob, old, adv, clip_range, kl=kl, beta=beta, log_ratio=log_ratio, weights=weights)
 
 
 @dataclass

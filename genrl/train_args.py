@@ -204,6 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--grpo_guard", action="store_true",
                        help="GRPO-Guard's normalised ratio: s (logp - logp_old) + mean((mu - mu_old)^2) / (2s), the SDE "
                             "ratio's negative bias removed and the timesteps evened out (flow_sde only).")
+    group.add_argument("--grpo_guard_reweight", action="store_true",
+                       help="GRPO-Guard's per-timestep gradient reweighting: each trained step's loss times 1 / (T dt), so "
+                            "the short steps of a shifted schedule train as much as the long ones (flow_sde only; the paper "
+                            "uses it with --grpo_guard).")
     group.add_argument("--filter_zero_advantage", action="store_true",
                        help="Drop zero-advantage samples (every rank keeps the same count).")
 
@@ -380,6 +384,11 @@ def validate_args(args) -> None:
         raise ValueError(
             f"--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective {args.objective} "
             f"with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."
+        )
+    if args.grpo_guard_reweight and (args.objective != "grpo" or args.sde_type != "flow_sde"):
+        raise ValueError(
+            f"--grpo_guard_reweight weights GRPO's flow_sde steps by 1 / (T dt); it does not apply to --objective "
+            f"{args.objective} with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop it)."
         )
     if args.sampling_policy_decay_rate < 0 or not 0 <= args.sampling_policy_decay_max < 1:
         raise ValueError(

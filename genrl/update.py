@@ -47,7 +47,7 @@ class UpdateConfig:
     max_train_steps: stop when the global step reaches it (None: never).
     guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
         train the conditional velocity).
-    clip_range, kl_form, grpo_guard: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
+    clip_range, kl_form, grpo_guard, grpo_guard_reweight: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
     sampling_decay_rate, sampling_decay_max: the soft update of the sampling policy (nft, awm;
         ``genrl.nft.soft_update_decay``).
     """
@@ -68,6 +68,7 @@ class UpdateConfig:
     kl_form: str = "transition"
     nft_beta: float = 1.0
     grpo_guard: bool = False
+    grpo_guard_reweight: bool = False
     sampling_decay_rate: float = 0.0
     sampling_decay_max: float = 0.5
 
@@ -214,7 +215,7 @@ def update_policy(
                 loss, stats = grpo_step_loss(
                     policy, model, rollout, rows, row_steps, advantages, config=sampling, clip_range=config.clip_range,
                     beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
-                    guard=config.grpo_guard,
+                    guard=config.grpo_guard, reweight=config.grpo_guard_reweight,
                 )
                 loss = loss * scale
             else:

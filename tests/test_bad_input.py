@@ -66,6 +66,9 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     (["--grpo_guard", "--sde_type", "flow_cps"],
      "--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective grpo with --sde_type "
      "flow_cps (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."),
+    (["--grpo_guard_reweight", "--objective", "nft"],
+     "--grpo_guard_reweight weights GRPO's flow_sde steps by 1 / (T dt); it does not apply to --objective nft with "
+     "--sde_type flow_sde (use --objective grpo --sde_type flow_sde, or drop it)."),
 ])
 def test_sampling_without_a_usable_stochastic_step_is_refused(tiny_sd3, prompt_file, tmp_path, capsys, extra, expected):
     assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == expected

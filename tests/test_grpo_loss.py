@@ -165,6 +165,51 @@ def test_guarded_log_ratio_is_zero_on_policy_and_on_deterministic_steps():
     assert torch.equal(zero_std, torch.zeros(3))
 
 
+def test_guard_timestep_weights_are_one_over_t_dt():
+    from genrl.grpo import guard_timestep_weights
+
+    sigmas = torch.tensor([1.0, 0.6, 0.4, 0.3])
+    sigmas_next = torch.tensor([0.9, 0.5, 0.2, 0.3])  # dt 0.1, 0.1, 0.2 and a zero-length step
+    weights = guard_timestep_weights(sigmas, sigmas_next, num_steps=10)
+    torch.testing.assert_close(weights, torch.tensor([1.0, 1.0, 0.5, 0.0]))
+    with pytest.raises(ValueError, match="num_steps must be >= 1"):
+        guard_timestep_weights(sigmas, sigmas_next, num_steps=0)
+
+
+def test_reweighted_guarded_ratio_trains_short_and_long_steps_alike():
+    """Through the real flow_sde step: d(w log r)/dv = -(1 + a^2 / 2) eps / (T D) at any dt, where
+    the unweighted gradient is proportional to dt (a shifted schedule's short steps train less)."""
+    from genrl.grpo import guard_timestep_weights, guarded_log_ratio
+    from genrl.sde import sde_step_with_logprob
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 2, 2, 2, generator=g)
+    eps = torch.randn(2, 2, 2, 2, generator=g)
+    old_v = torch.randn(2, 2, 2, 2, generator=g)
+    sigmas, sigmas_next, a, steps = torch.tensor([0.8, 0.4]), torch.tensor([0.7, 0.2]), 0.7, 10
+    old = sde_step_with_logprob(old_v, sigmas, sigmas_next, x, noise_level=a)
+    x_next = old.mean + old.std.reshape(-1, 1, 1, 1) * eps
+    old = sde_step_with_logprob(old_v, sigmas, sigmas_next, x, noise_level=a, next_sample=x_next)
+    v = old_v.clone().requires_grad_(True)
+    new = sde_step_with_logprob(v, sigmas, sigmas_next, x, noise_level=a, next_sample=x_next)
+    log_ratio = guarded_log_ratio(new.log_prob, old.log_prob, new.mean, old.mean, new.std)
+    (log_ratio * guard_timestep_weights(sigmas, sigmas_next, steps)).sum().backward()
+    torch.testing.assert_close(v.grad, -(1 + a**2 / 2) * eps / (steps * eps[0].numel()), rtol=1e-4, atol=1e-6)
+
+
+def test_grpo_loss_weights_each_sample():
+    """L = mean(w max(-A r, -A clip(r))): with r = 1, -mean(w A)."""
+    log_prob = torch.zeros(3, requires_grad=True)
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    weights = torch.tensor([2.0, 0.5, 0.0])
+    loss, stats = grpo_loss(log_prob, torch.zeros(3), adv, 0.2, weights=weights)
+    assert loss.item() == pytest.approx(-(2.0 * 1.0 + 0.5 * -2.0) / 3)
+    loss.backward()
+    torch.testing.assert_close(log_prob.grad, -weights * adv / 3)
+    with pytest.raises(ValueError, match="weights must be"):
+        grpo_loss(log_prob, torch.zeros(3), adv, 0.2, weights=torch.ones(2))
+
+
 def test_grpo_loss_uses_the_given_log_ratio():
     old = torch.zeros(3)
     log_ratio = torch.log(torch.tensor([1.5, 0.5, 1.0]))

@@ -197,6 +197,13 @@ def test_guarded_grpo_step_is_on_policy_and_moves_with_the_recorded_means(polici
                               guard=True)
     assert stats["ratio_min"].item() == pytest.approx(1.0, abs=1e-5)
     assert stats["ratio_max"].item() == pytest.approx(1.0, abs=1e-5)
+    # The per-timestep reweighting: on policy (r = 1) the loss is -mean(A / (T dt)) of the picked steps.
+    loss, _ = grpo_step_loss(policy, policy.transformer, joined, idx, steps, adv, config=config, clip_range=1e-3,
+                             guard=True, reweight=True)
+    dt = joined.sigmas[idx, steps] - joined.sigmas_next[idx, steps]
+    assert not torch.allclose(dt[0], dt[1]), "the picked steps should differ in length"
+    expected = -(adv[idx] / (config.num_inference_steps * dt)).mean()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-4)
     joined.means = joined.means + 0.1 * torch.randn_like(joined.means)
     _, moved = grpo_step_loss(policy, policy.transformer, joined, idx, steps, adv, config=config, clip_range=1e-3,
                               guard=True)

@@ -177,7 +177,8 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path,
     ("wan", "temporal_smoothness:1,jpeg_compressibility:0.1",
      ["--num_frames", "5", "--eval_prompt_dataset", "PROMPTS", "--eval_steps", "1", "--eval_max_batches", "1",
       "--eval_log_samples", "2"]),
-    ("flux", "jpeg_compressibility", ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard"]),
+    ("flux", "jpeg_compressibility",
+     ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard", "--grpo_guard_reweight"]),
 ])
 def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, extra, prompt_file, tmp_path):
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
