@@ -35,7 +35,16 @@ Rollout FLOPs = steps x F x forward batch (2B with CFG); a PPO step = 3 F x forw
 (backward = 2 forwards; the recomputation of gradient checkpointing is not counted, as usual
 for MFU). MFU = FLOPs / seconds / peak, peak = 790 TFLOP/s (H200 dense bf16, --peak_tflops).
 
+``--profile`` adds torch.profiler tables of one rollout and one PPO step (the ops with the
+most self time on the device, or on the CPU without one), printed and emitted as ``profile``
+records. ``--fit_table`` adds, for micro batches 1, 2, 4, ... up to ``--train_batch_size`` with
+and without gradient checkpointing, the PPO step's peak memory and whether it fits a card of
+``--fit_gib`` GiB (80: an H100/A100-80GB); an out-of-memory combination is recorded as such. CFG
+runs as one batch of [uncond; cond] (as the trainer does), so the forward batch is 2x the
+micro batch.
+
     python bench/bench_h200_wan.py                   # on one H200 (well under 8 minutes)
+    python bench/bench_h200_wan.py --profile --fit_table
     python bench/bench_h200_wan.py --quick           # CI on a CPU: a tiny Wan of the same layout, seconds
 """
 
@@ -49,8 +58,8 @@ import torch
 
 import common
 from bench_rollout import measure_rollout
-from bench_train_step import build_single_process_accelerator, measure_ppo_step
-from common import emit
+from bench_train_step import build_single_process_accelerator, measure_ppo_step, ppo_step
+from common import PeakMemory, emit, synchronize
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json values.
 WAN_1_3B = dict(
@@ -137,6 +146,13 @@ def parse_args(argv=None):
                              "timed repeats follow one untimed warm-up that compiles.")
     parser.add_argument("--attention_backend", type=str, default=None,
                         help="diffusers attention backend (train_genrl.py --attention_backend), e.g. _native_cudnn, flash.")
+    parser.add_argument("--profile", action="store_true",
+                        help="Print torch.profiler tables of one rollout and one PPO step (top ops by self time).")
+    parser.add_argument("--profile_rows", type=int, default=15, help="Ops per profiler table.")
+    parser.add_argument("--fit_table", action="store_true",
+                        help="Peak memory of the PPO step for each micro batch (1, 2, 4, ...) with and without "
+                             "gradient checkpointing, against a card of --fit_gib GiB.")
+    parser.add_argument("--fit_gib", type=float, default=80.0, help="The card the fit table checks against (GiB).")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
     args.height = args.height or sizes["height"]
@@ -181,6 +197,70 @@ def train_figures(policy, model, optimizer, accelerator, recorded, config, devic
     torch.cuda.empty_cache()
     emit({"bench": "h200_wan", "phase": "note", "note": "out of memory without gradient checkpointing; retried with it"})
     return run(True)
+
+
+def profile_ops(fn, device: torch.device, rows: int) -> tuple[str, list[dict]]:
+    """torch.profiler over one call of ``fn``: the printed table and the top ``rows`` ops by self
+    time (on the device where there is one, else the CPU), each with its share of the total."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        fn()
+        synchronize(device)
+    events = prof.key_averages()
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    total = sum(getattr(e, attr) for e in events) or 1.0
+    top = sorted(events, key=lambda e: getattr(e, attr), reverse=True)[:rows]
+    ops = [{"op": e.key, "self_ms": getattr(e, attr) / 1e3, "share": getattr(e, attr) / total, "calls": e.count}
+           for e in top]
+    table = events.table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=rows)
+    return table, ops
+
+
+def micro_batches(largest: int) -> list[int]:
+    """1, 2, 4, ... below ``largest``, then ``largest``."""
+    sizes, size = [], 1
+    while size < largest:
+        sizes.append(size)
+        size *= 2
+    return sizes + [largest]
+
+
+def fit_table(policy, model, optimizer, accelerator, recorded, config, device, args) -> list[dict]:
+    """The PPO step's peak memory for each micro batch, with and without gradient checkpointing."""
+    from genrl.rollout import index_rollout
+
+    transformer = policy.transformer
+    rows = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            transformer.enable_gradient_checkpointing()
+        else:
+            transformer.disable_gradient_checkpointing()
+        for batch in micro_batches(args.train_batch_size):
+            micro = index_rollout(recorded, list(range(batch)))
+            advantages = torch.randn(batch, generator=torch.Generator().manual_seed(0)).to(device)
+            peak_mb, outcome = float("nan"), "ran"
+            try:
+                with PeakMemory(device) as mem:
+                    ppo_step(policy, model, optimizer, accelerator, micro, advantages, 0, config=config)
+                peak_mb = mem.peak_mb
+            except torch.cuda.OutOfMemoryError:
+                outcome = "out of memory"
+            if outcome != "ran":  # out of the except block the traceback no longer pins the activations
+                optimizer.zero_grad(set_to_none=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+            fits = outcome == "ran" and peak_mb / 1024 <= args.fit_gib
+            rows.append(emit({
+                "bench": "h200_wan", "phase": "fit", "micro_batch": batch, "forward_batch": batch * (2 if policy.use_cfg(
+                    args.guidance_scale) else 1), "cfg": "one batch", "gradient_checkpointing": checkpointing,
+                "outcome": outcome, "peak_mem_mb": peak_mb, "fit_gib": args.fit_gib, "fits": fits,
+            }))
+    transformer.disable_gradient_checkpointing()
+    return rows
 
 
 def main(args) -> list[dict]:
@@ -261,6 +341,28 @@ def main(args) -> list[dict]:
     common.print_table(rows, ["phase", "params_m", "batch", "forward_batch", "rollout_s", "samples_per_s", "frames_per_s",
                               "overhead_ratio", "ppo_step_s", "bare_fwd_bwd_s", "gradient_checkpointing", "mfu",
                               "peak_mem_mb"], title="Wan2.1-T2V-1.3B architecture, random weights")
+    if args.profile:
+        from genrl.rollout import index_rollout, sample_rollout
+
+        prompts, indices = common.group_prompts(args.group_size, args.group_size)
+        batch = index_rollout(recorded, list(range(args.train_batch_size)))
+        advantages = torch.randn(args.train_batch_size, generator=torch.Generator().manual_seed(0)).to(device)
+        model.eval()
+        phases = {
+            "rollout": lambda: sample_rollout(policy, model, prompts, indices, seed=0, epoch=0, config=sampling, device=device),
+            "train": lambda: (model.train(), ppo_step(policy, model, optimizer, accelerator, batch, advantages, 0,
+                                                      config=sampling)),
+        }
+        for phase, fn in phases.items():
+            table, ops = profile_ops(fn, device, args.profile_rows)
+            print(f"\ntorch.profiler, one {'rollout' if phase == 'rollout' else 'PPO step'} "
+                  f"(top {args.profile_rows} ops by self {'device' if device.type == 'cuda' else 'CPU'} time):\n{table}")
+            rows.append(emit({**common_fields, "phase": "profile", "profiled": phase, "ops": ops}))
+    if args.fit_table:
+        fits = fit_table(policy, model, optimizer, accelerator, recorded, sampling, device, args)
+        common.print_table(fits, ["micro_batch", "forward_batch", "gradient_checkpointing", "outcome", "peak_mem_mb", "fits"],
+                           title=f"PPO step: fits a {args.fit_gib:g} GiB card?")
+        rows += fits
     return rows
 
 

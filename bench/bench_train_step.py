@@ -32,6 +32,31 @@ from bench_rollout import FULL_SIZES, QUICK_SIZES
 from common import PeakMemory, capture_forward_inputs, emit, group_prompts, synchronize, time_interleaved
 
 
+def ppo_step(policy, model, optimizer, accelerator, rollout, advantages: torch.Tensor, j: int, *, config,
+             clip_range: float = 1e-3, max_grad_norm: float = 1.0) -> float:
+    """One PPO step of the trainer on all samples of ``rollout`` at recorded step ``j``:
+    ``step_log_prob`` + ``grpo_loss`` + backward, then clip + AdamW + zero_grad. Returns the
+    seconds of the forward and backward (the rest is the optimizer's)."""
+    from genrl.grpo import grpo_loss
+    from genrl.rollout import step_log_prob
+
+    device = advantages.device
+    start = time.perf_counter()
+    out = step_log_prob(
+        policy, model, rollout.latents[:, j], rollout.next_latents[:, j], rollout.timesteps[:, j],
+        rollout.sigmas[:, j], rollout.sigmas_next[:, j], rollout.embeds, config=config, sigma_max=rollout.sigma_max,
+    )
+    loss, _ = grpo_loss(out.log_prob, rollout.log_probs[:, j].to(out.log_prob.device), advantages, clip_range)
+    accelerator.backward(loss)
+    synchronize(device)
+    fwd_bwd = time.perf_counter() - start
+    accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    synchronize(device)
+    return fwd_bwd
+
+
 def measure_ppo_step(
     policy,
     model: torch.nn.Module,
@@ -52,9 +77,7 @@ def measure_ppo_step(
     Returns ppo_step_s, ppo_fwd_bwd_s, optimizer_s, bare_fwd_bwd_s, the two overhead ratios,
     samples_per_s (B / ppo_step_s), peak_mem_mb, bare_peak_mem_mb, start_mem_mb.
     """
-    from genrl.grpo import grpo_loss
     from genrl.policies.base import unwrap_module
-    from genrl.rollout import step_log_prob
 
     if rollout.num_steps == 0:
         raise ValueError("The rollout recorded no stochastic step; use noise_level > 0 and at least 2 steps.")
@@ -62,28 +85,18 @@ def measure_ppo_step(
     splits: dict[str, list[float]] = {"fwd_bwd": [], "opt": []}
     advantages = advantages.to(device)
 
-    def ppo_step():
+    def timed_ppo_step():
         j = calls["n"] % rollout.num_steps
         calls["n"] += 1
         start = time.perf_counter()
-        out = step_log_prob(
-            policy, model, rollout.latents[:, j], rollout.next_latents[:, j], rollout.timesteps[:, j],
-            rollout.sigmas[:, j], rollout.sigmas_next[:, j], rollout.embeds, config=config, sigma_max=rollout.sigma_max,
-        )
-        loss, _ = grpo_loss(out.log_prob, rollout.log_probs[:, j].to(out.log_prob.device), advantages, clip_range)
-        accelerator.backward(loss)
-        synchronize(device)
-        middle = time.perf_counter()
-        accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-        synchronize(device)
-        splits["fwd_bwd"].append(middle - start)
-        splits["opt"].append(time.perf_counter() - middle)
+        fwd_bwd = ppo_step(policy, model, optimizer, accelerator, rollout, advantages, j, config=config,
+                           clip_range=clip_range, max_grad_norm=max_grad_norm)
+        splits["fwd_bwd"].append(fwd_bwd)
+        splits["opt"].append(time.perf_counter() - start - fwd_bwd)
 
     model.train()
     with PeakMemory(device) as mem, capture_forward_inputs(unwrap_module(model)) as captured:
-        ppo_step()
+        timed_ppo_step()
     args, kwargs = captured[0]
 
     def bare_fwd_bwd():
@@ -96,7 +109,7 @@ def measure_ppo_step(
         bare_fwd_bwd()
     for values in splits.values():
         values.clear()
-    times = time_interleaved({"ppo": ppo_step, "bare": bare_fwd_bwd}, device, repeats)
+    times = time_interleaved({"ppo": timed_ppo_step, "bare": bare_fwd_bwd}, device, repeats)
     fwd_bwd, opt = statistics.median(splits["fwd_bwd"]), statistics.median(splits["opt"])
     batch = rollout.latents.shape[0]
     return {

@@ -6,7 +6,8 @@
 #
 # It prints, in order: the versions; bench_h200_wan.py (real-size Wan2.1-1.3B transformer,
 # random weights) with each speed lever off and on (rollout and PPO-step MFU, genrl against
-# the bare transformer, peak memory); the no-argument run's wall time and held-out scores;
+# the bare transformer, peak memory; torch.profiler tables of the plain run; which PPO micro batches
+# fit an 80 GB card with all levers on); the no-argument run's wall time and held-out scores;
 # single-process ZeRO-2 / ZeRO-3 bf16 runs; and the tests that need a GPU. Each part runs on,
 # whatever the previous one did, and says FAILED with its exit status; the script's own exit
 # status is the number of parts that failed. Figures are printed, never asserted.
@@ -43,10 +44,10 @@ wan_bench() {  # the speed levers, each on its own and together
     [ "$QUICK" = 1 ] && size=(--quick)
     local backend=_native_cudnn
     [ "$QUICK" = 1 ] && backend=native
-    python bench/bench_h200_wan.py "${size[@]}" &&
+    python bench/bench_h200_wan.py "${size[@]}" --profile &&
         python bench/bench_h200_wan.py "${size[@]}" --attention_backend "$backend" &&
         python bench/bench_h200_wan.py "${size[@]}" --compile &&
-        python bench/bench_h200_wan.py "${size[@]}" --compile --attention_backend "$backend"
+        python bench/bench_h200_wan.py "${size[@]}" --compile --attention_backend "$backend" --fit_table
 }
 
 default_run() {  # the README's no-argument command, on the GPU; scores from its metrics

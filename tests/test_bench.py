@@ -30,7 +30,7 @@ RUNS = {
     # The two configs as two runs side by side, each one launch of 2 processes.
     "zero2": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero2"]),
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
-    "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick"]),
+    "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick", "--profile", "--profile_rows", "5", "--fit_table"]),
     "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2"]),
     "epoch": ("epoch", ["bench_epoch.py", "--quick", "--epochs", "3"]),
 }
@@ -154,11 +154,24 @@ def test_h200_script_quick_run_counts_its_flops(runs):
     from bench_h200_wan import WAN_TINY, wan_forward_flops
 
     _, figures = records(runs, "h200_wan")
-    assert [f["phase"] for f in figures] == ["rollout", "train"]
-    rollout, train = figures
+    assert [f["phase"] for f in figures] == ["rollout", "train", "profile", "profile"] + ["fit"] * 4
+    rollout, train, *profiles = figures[:4]
+    # --profile: the top 5 ops of one rollout and one PPO step, each with its share of the self time.
+    assert [p["profiled"] for p in profiles] == ["rollout", "train"]
+    for profile in profiles:
+        shares = [op["share"] for op in profile["ops"]]
+        assert len(shares) == 5 and shares == sorted(shares, reverse=True)
+        assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1 + 1e-6
+    assert any("AdamW" in op["op"] or "aten::" in op["op"] for op in profiles[1]["ops"])
+    # --fit_table: micro batches 1 and 2 (the group) without and with checkpointing; CFG doubles the rows.
+    fits = figures[4:]
+    assert [(f["micro_batch"], f["gradient_checkpointing"]) for f in fits] == [(1, False), (2, False), (1, True), (2, True)]
+    for f in fits:
+        assert f["outcome"] == "ran" and f["forward_batch"] == 2 * f["micro_batch"] and f["fits"] is True
+        positive(f, "peak_mem_mb")
     assert rollout["forward_flops_per_sequence"] == wan_forward_flops(WAN_TINY, tuple(rollout["latent_shape"]), rollout["text_len"])
     assert rollout["latent_shape"] == [16, 2, 4, 4]  # 5 frames at 32x32 through the 4x/8x VAE
-    for f in figures:
+    for f in (rollout, train):
         positive(f, "mfu", "peak_mem_mb")
     positive(rollout, "rollout_s", "samples_per_s", "frames_per_s", "bare_forwards_s")
     positive(train, "ppo_step_s", "bare_fwd_bwd_s")
