@@ -24,6 +24,9 @@ import os
 import torch
 from accelerate.logging import get_logger
 
+from genrl.acceleration import (
+    check_attention_backend_name, compile_repeated_blocks, probe_attention_backend, set_attention_backend,
+)
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, zero_init_disabled
@@ -79,6 +82,12 @@ def parse_args(input_args=None):
     parser.add_argument("--num_frames", type=int, default=None, help="Default: the model's own (videos).")
     parser.add_argument("--mixed_precision", type=str, default="no", choices=sorted(WEIGHT_DTYPES),
                         help="Weight dtype of the model while sampling.")
+    parser.add_argument("--attention_backend", type=str, default=None, metavar="NAME",
+                        help="diffusers attention backend of the transformer (as train_genrl.py's), e.g. _native_cudnn, "
+                        "flash; default: diffusers' own (torch SDPA).")
+    parser.add_argument("--compile", action="store_true",
+                        help="Regional torch.compile of the transformer's repeated blocks (as train_genrl.py's); the first "
+                        "batch pays the compilation.")
     parser.add_argument("--save_samples", type=int, default=16,
                         help="How many samples (evenly spaced over the prompts) go into the grid and MP4s; -1 = all.")
     parser.add_argument("--fps", type=float, default=16.0, help="Frame rate of the written MP4s.")
@@ -101,6 +110,11 @@ def parse_args(input_args=None):
         parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
     if args.save_samples < -1:
         parser.error(f"--save_samples must be >= 0, or -1 for all; got {args.save_samples}.")
+    if args.attention_backend is not None:
+        try:
+            check_attention_backend_name(args.attention_backend)
+        except ValueError as error:
+            parser.error(str(error))
     return args
 
 
@@ -160,6 +174,10 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
     policy.transformer.to(accelerator.device)
     if dtype != torch.float32:
         policy.transformer.to(dtype)
+    if args.attention_backend:
+        set_attention_backend([policy.transformer], args.attention_backend, device=accelerator.device, dtype=dtype)
+    if args.compile:
+        compile_repeated_blocks(policy.transformer, fullgraph=True)
     result = evaluate(
         policy,
         policy.transformer,
@@ -199,6 +217,8 @@ def main(args):
     accelerator = build_accelerator(output_dir=args.output_dir)
     torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation
 
+    if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
+        probe_attention_backend(args.attention_backend, accelerator.device, WEIGHT_DTYPES[args.mixed_precision])
     prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
     prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn

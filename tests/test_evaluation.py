@@ -73,6 +73,7 @@ def _script_args(model, prompts_file, output_dir, *extra):
     (["--vae_decode_batch_size", "0"], "--vae_decode_batch_size must be at least 1; got 0."),
     (["--max_batches", "-1"], "--max_batches must be >= 0 (0 = every prompt); got -1."),
     (["--ode_solver", "rk4"], "argument --ode_solver: invalid choice: 'rk4'"),
+    (["--attention_backend", "warp_drive"], "--attention_backend 'warp_drive' is not a diffusers attention backend; choose"),
 ])
 def test_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, capsys, extra, sentence):
     """The model path is never opened: parsing alone refuses these."""
@@ -269,6 +270,21 @@ def test_script_writes_identical_outputs_run_after_run(tiny_wan, prompts_file, t
     assert videos == [f"{i:05d}.mp4" for i in range(6)]
     frames = cv2.VideoCapture(str(tmp_path / "run1" / "videos" / "00000.mp4"))
     assert frames.read()[0]
+
+
+@pytest.mark.slow
+def test_the_speed_levers_leave_the_scores_alone(tiny_wan, prompts_file, tmp_path):
+    """--attention_backend native and --compile (regional torch.compile): the same samples and
+    scores as the plain run, up to float rounding."""
+    eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, tmp_path / "plain")))
+    eval_genrl.main(eval_genrl.parse_args(_script_args(tiny_wan, prompts_file, tmp_path / "fast", "--attention_backend",
+                                                       "native", "--compile")))
+    plain, fast = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("plain", "fast"))
+    assert len(fast["per_prompt"]) == len(plain["per_prompt"]) == 6
+    for name, stats in plain["metrics"].items():
+        assert fast["metrics"][name]["mean"] == pytest.approx(stats["mean"], abs=1e-3)
+    diff = np.abs(cv2.imread(str(tmp_path / "fast" / "samples.png")).astype(int) - cv2.imread(str(tmp_path / "plain" / "samples.png")))
+    assert (diff > 2).mean() < 1e-3  # compiled kernels round differently: a few pixels of the random model flip
 
 
 @pytest.mark.slow
