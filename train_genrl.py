@@ -36,8 +36,8 @@ from genrl.checkpointing import (
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
-    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, describe_weight_dtypes, weight_dtypes,
-    zero_init_disabled,
+    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, describe_weight_dtypes, settle_zero3_params,
+    size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
@@ -158,6 +158,9 @@ def main(args):
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
                                  num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
+    buckets = size_zero3_buckets(accelerator.state.deepspeed_plugin, policy.transformer)
+    if buckets:
+        logger.info(f"ZeRO-3 buffer sizes (elements): {buckets}", main_process_only=True)
     model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)
     logger.info(describe_weight_dtypes(*weight_dtypes(model, optimizer)), main_process_only=True)
     # EMA after prepare: under ZeRO-3 it keeps this rank's partition of each parameter.
@@ -166,6 +169,9 @@ def main(args):
     # DiffusionNFT's soft-updated sampling policy: an fp32 shadow of the trained weights that the
     # rollouts (and NFT's old velocities) use, stepping towards them after every optimizer step.
     sampling_policy = EMA(trainable, device=args.ema_device) if args.sampling_policy_decay_rate > 0 else None
+    for shadow in (ema, sampling_policy):
+        if shadow is not None:
+            shadow.settle = partial(settle_zero3_params, model)
 
     update_config = UpdateConfig(
         objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,

@@ -15,7 +15,12 @@ weights on the tiny SD3 pipeline's text encoders and VAE.
     python bench/bench_zero_memory.py                   # zero2 and zero3, mid model (~2 min on 2 cores)
     python bench/bench_zero_memory.py --quick           # CI: tiny model (2 launches of 2 processes)
     python bench/bench_zero_memory.py --configs multi_gpu,zero2,zero3 --num_processes 4
-    python bench/bench_zero_memory.py --ds_bucket_size 20000000   # smaller DeepSpeed buckets than its 5e8 default
+    python bench/bench_zero_memory.py --scale large     # 335 M parameters (~10 min, ~17 GB on 2 cores)
+    python bench/bench_zero_memory.py --ds_bucket_size 20000000   # reduce/prefetch buckets of your choice
+
+Under ZeRO-3 the workers size DeepSpeed's buckets as the trainer does
+(``genrl.distributed.size_zero3_buckets``, from the transformer's width); ``--ds_bucket_size``
+overrides the reduce and prefetch buckets.
 """
 
 from __future__ import annotations
@@ -46,7 +51,8 @@ def parse_args(argv=None):
     parser.add_argument("--train_steps", type=int, default=None, help="PPO steps per rank, the first untimed (default 3).")
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
     parser.add_argument("--ds_bucket_size", type=int, default=None,
-                        help="Set DeepSpeed's reduce_bucket_size and stage3_prefetch_bucket_size (elements); default: DeepSpeed's own.")
+                        help="Set DeepSpeed's reduce_bucket_size and stage3_prefetch_bucket_size (elements); default: the "
+                             "trainer's width-based sizes under ZeRO-3, DeepSpeed's own under ZeRO-2.")
     parser.add_argument("--output_dir", type=str, default=None, help="Where ranks write their reports (default: a temp dir).")
     parser.add_argument("--timeout", type=int, default=900, help="Seconds per launch.")
     args = parser.parse_args(argv)

@@ -307,26 +307,31 @@ SCALES: dict[str, dict[str, dict[str, Any]]] = {
     "wan": {
         "small": dict(num_attention_heads=4, attention_head_dim=32, ffn_dim=512, num_layers=4, freq_dim=64),
         "mid": dict(num_attention_heads=8, attention_head_dim=64, ffn_dim=2048, num_layers=8, freq_dim=128),
+        "large": dict(num_attention_heads=12, attention_head_dim=64, ffn_dim=3072, num_layers=16, freq_dim=128),
     },
     "sd3": {
         "small": dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, caption_projection_dim=128,
                       pos_embed_max_size=64),
         "mid": dict(num_layers=8, attention_head_dim=64, num_attention_heads=8, caption_projection_dim=512,
                     pos_embed_max_size=64),
+        "large": dict(num_layers=16, attention_head_dim=64, num_attention_heads=12, caption_projection_dim=768,
+                      pos_embed_max_size=64),
     },
     "flux": {
         "small": dict(num_layers=2, num_single_layers=4, attention_head_dim=32, num_attention_heads=4,
                       axes_dims_rope=(8, 12, 12)),
         "mid": dict(num_layers=4, num_single_layers=8, attention_head_dim=64, num_attention_heads=8,
                     axes_dims_rope=(16, 24, 24)),
+        "large": dict(num_layers=6, num_single_layers=12, attention_head_dim=64, num_attention_heads=12,
+                      axes_dims_rope=(16, 24, 24)),
     },
 }
-SCALE_NAMES = ("tiny", "small", "mid")
+SCALE_NAMES = ("tiny", "small", "mid", "large")  # large: 156 M (wan), 335 M (sd3), 237 M (flux) parameters
 
 
 def build_bench_policy(family: str, scale: str = "tiny", seed: int = 0):
     """A ``FlowPolicy`` over the tiny ``family`` pipeline whose transformer is of size ``scale``
-    ("tiny", "small", "mid"), random init from ``seed``, float32 on the CPU."""
+    ("tiny", "small", "mid", "large"), random init from ``seed``, float32 on the CPU."""
     from genrl.policies import policy_for_pipeline
     from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
 

@@ -56,12 +56,13 @@ def parse_args(argv=None):
     parser.add_argument("--rollout_repeats", type=int, default=1, help="Timed rollouts after the warm-up.")
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
     parser.add_argument("--ds_bucket_size", type=int, default=None,
-                        help="DeepSpeed reduce_bucket_size and stage3_prefetch_bucket_size in elements (default: DeepSpeed's).")
+                        help="DeepSpeed reduce_bucket_size and stage3_prefetch_bucket_size in elements (default: the "
+                             "trainer's, genrl.distributed.zero3_bucket_sizes, under ZeRO-3; DeepSpeed's under ZeRO-2).")
     return parser.parse_args(argv)
 
 
 def main(args) -> dict:
-    from genrl.distributed import build_accelerator, configure_deepspeed, zero_init_disabled
+    from genrl.distributed import build_accelerator, configure_deepspeed, size_zero3_buckets, zero_init_disabled
     from genrl.grpo import grpo_loss
     from genrl.rollout import SamplingConfig, sample_rollout, step_log_prob
 
@@ -83,6 +84,7 @@ def main(args) -> dict:
     report["params_m"] = common.count_parameters(transformer) / 1e6
     report["after_build_mb"] = current_memory_mb(device)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6)
+    size_zero3_buckets(accelerator.state.deepspeed_plugin, transformer)  # as the trainer; --ds_bucket_size wins
     with PeakMemory(device) as mem:
         model, optimizer = accelerator.prepare(transformer, optimizer)
     report["prepare_peak_mb"], report["after_prepare_mb"] = mem.peak_mb, current_memory_mb(device)

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from genrl.distributed import settle_zero3_params
 from genrl.ema import EMA
 from genrl.policies import FlowPolicy, load_policy
 from genrl.redact import redact_args
@@ -263,6 +264,8 @@ def _trainable_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torc
     if any(hasattr(p, "ds_tensor") for p in params):  # ZeRO-3: gather only what we need
         import deepspeed
 
+        settle_zero3_params(model)
+
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {n: p.detach().cpu().clone() for n, p in named}
     return {n: p.detach().cpu().clone() for n, p in named}
@@ -271,6 +274,7 @@ def _trainable_state_dict(accelerator, model: torch.nn.Module) -> dict[str, torc
 def _save_full_transformer(accelerator, model: torch.nn.Module, path: str) -> None:
     """diffusers ``save_pretrained`` of the whole transformer; under ZeRO-3 the 16-bit
     weights are gathered first (collective: every rank must call this)."""
+    settle_zero3_params(model)
     state_dict = accelerator.get_state_dict(model)  # gathers under ZeRO-3
     if not accelerator.is_main_process:
         return

@@ -8,7 +8,7 @@ the EMA weights in (for evaluation and export) and out rebuilds one parameter at
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -79,6 +79,9 @@ class EMA:
         if update_interval < 1:
             raise ValueError(f"EMA update interval must be >= 1 optimizer step, got {update_interval}.")
         self.params = [p for p in parameters if p.requires_grad]
+        # Called before weights are written (swaps): under ZeRO-3 the trainer sets it to
+        # genrl.distributed.settle_zero3_params of the engine, once there is one.
+        self.settle: Callable[[], None] | None = None
         self.decay = decay
         self.update_interval = update_interval
         self.warmup = warmup
@@ -108,6 +111,8 @@ class EMA:
     @torch.no_grad()
     def copy_to(self, parameters: Iterable[torch.nn.Parameter] | None = None) -> None:
         """Write the shadow into the parameters (collective under ZeRO-3: call on every rank)."""
+        if self.settle is not None:
+            self.settle()
         _write_local(parameters if parameters is not None else self.params, self.shadow)
 
     @contextmanager
@@ -118,6 +123,8 @@ class EMA:
         try:
             yield
         finally:
+            if self.settle is not None:
+                self.settle()
             _write_local(self.params, backup)
 
     def state_dict(self) -> dict:

@@ -148,6 +148,16 @@ def test_zero_memory_reports_every_rank_of_both_configs(runs):
     for f in figures:
         assert f["world_size"] == 2
         positive(f, "after_prepare_mb", "rollout_peak_mb", "train_peak_mb", "tensors_after_train_mb", "train_step_s")
+    # ZeRO-3's engine runs with the trainer's width-based buckets, not DeepSpeed's 5e8 / 5e7 elements.
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline
+
+    config = build_tiny_pipeline("sd3").transformer.config
+    width = config.num_attention_heads * config.attention_head_dim
+    for f in figures:
+        if f["zero_stage"] == 3:
+            assert (f["ds_reduce_bucket_size"], f["ds_prefetch_bucket_size"]) == (width**2, int(0.9 * width**2))
+        else:
+            assert f["ds_reduce_bucket_size"] == 5e8  # ZeRO-2 keeps DeepSpeed's own
 
 
 def test_h200_script_quick_run_counts_its_flops(runs):
