@@ -33,6 +33,10 @@ class SamplingConfig:
     sde_window_range: ``(lo, hi)``; the window start is drawn in ``[lo, hi - window_size]``,
         shared by a prompt's group. ``hi = None`` (or beyond) means the last step with
         sigma' > 0, i.e. ``num_inference_steps - 1``.
+    sde_window_shift_every: 0 (default) draws each group's window start at random (Flow-GRPO-Fast);
+        n > 0 slides one window shared by every prompt from ``lo`` towards the end, one step every
+        n epochs, and leaves it at ``hi - window_size`` once there (MixGRPO's progressive window,
+        ``progressive_window_start``).
     height, width, num_frames: None = the policy's defaults.
     same_latent: the K samples of a prompt start from the same initial noise.
     record_means: also keep each recorded step's SDE mean (GRPO-Guard's ratio needs it; one
@@ -52,6 +56,7 @@ class SamplingConfig:
     sde_type: str = "flow_sde"
     sde_window_size: int = 0
     sde_window_range: tuple[int, int | None] = (0, None)
+    sde_window_shift_every: int = 0
     height: int | None = None
     width: int | None = None
     num_frames: int | None = None
@@ -72,6 +77,8 @@ class SamplingConfig:
             raise ValueError(f"decode_batch_size must be >= 1; got {self.decode_batch_size}.")
         if self.sde_window_size < 0:
             raise ValueError(f"sde_window_size must be >= 0 (0 = every step); got {self.sde_window_size}.")
+        if self.sde_window_shift_every < 0:
+            raise ValueError(f"sde_window_shift_every must be >= 0 (0 = a random window); got {self.sde_window_shift_every}.")
         if self.num_inference_steps < 1:
             raise ValueError(f"num_inference_steps must be at least 1; got {self.num_inference_steps}.")
 
@@ -116,8 +123,19 @@ class Rollout:
         return self.log_probs.shape[1]
 
 
+def progressive_window_start(epoch: int, lo: int, last_start: int, shift_every: int) -> int:
+    """MixGRPO's sliding SDE window (Li et al. 2025, arXiv:2507.21802): it starts at the
+    highest-noise step ``lo`` and moves one step towards the clean end every ``shift_every``
+    epochs, then stays at ``last_start``:
+
+        start = min(lo + floor(epoch / shift_every), last_start)
+    """
+    return min(lo + epoch // shift_every, last_start)
+
+
 def sde_window_start(prompt: str, seed: int, epoch: int, num_inference_steps: int, config: SamplingConfig) -> int:
-    """First stochastic step of ``prompt``'s group, uniform in [lo, hi - window_size]."""
+    """First stochastic step of ``prompt``'s group: uniform in [lo, hi - window_size], or the
+    progressive window's start of this epoch (``config.sde_window_shift_every`` > 0)."""
     lo, hi = config.sde_window_range
     last = num_inference_steps - 1  # the final step goes to sigma' = 0 and is never stochastic
     hi = last if hi is None else min(hi, last)
@@ -127,6 +145,8 @@ def sde_window_start(prompt: str, seed: int, epoch: int, num_inference_steps: in
             f"sde_window_range={config.sde_window_range} cannot hold a window of {size} steps among the"
             f" {last} stochastic-capable steps of {num_inference_steps}; need 0 <= lo and hi - lo >= window size."
         )
+    if config.sde_window_shift_every > 0:
+        return progressive_window_start(epoch, lo, hi - size, config.sde_window_shift_every)
     generator = window_generator(prompt, seed, epoch)
     return int(torch.randint(lo, hi - size + 1, (1,), generator=generator))
 

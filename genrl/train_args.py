@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
     group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                        help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")
+    group.add_argument("--sde_window_shift_every", type=int, default=0, metavar="EPOCHS",
+                       help="MixGRPO's progressive window: one window for every prompt, starting at LO and moving one "
+                            "step towards the clean end every EPOCHS epochs (0: a random window per prompt group).")
     group.add_argument("--same_latent", action=argparse.BooleanOptionalAction, default=True,
                        help="All K samples of a prompt start from the same noise.")
 
@@ -409,6 +412,12 @@ def validate_args(args) -> None:
             f"--sde_window_size {args.sde_window_size} must be between 0 and num_inference_steps - 1 "
             f"({args.num_inference_steps - 1}): the last step is always deterministic."
         )
+    if args.sde_window_shift_every < 0 or (args.sde_window_shift_every and not args.sde_window_size):
+        raise ValueError(
+            f"--sde_window_shift_every slides an SDE window of --sde_window_size steps every so many epochs: it must be "
+            f">= 0 and needs --sde_window_size > 0, got {args.sde_window_shift_every} with --sde_window_size "
+            f"{args.sde_window_size}."
+        )
     if args.sde_window_size and args.sde_window_range:  # the window must fit its range (the rollout's own check)
         window = SamplingConfig(num_inference_steps=args.num_inference_steps, sde_window_size=args.sde_window_size,
                                 sde_window_range=tuple(args.sde_window_range))
@@ -487,6 +496,7 @@ def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale, noise_level=args.noise_level,
         sde_type=args.sde_type, sde_window_size=args.sde_window_size,
         sde_window_range=tuple(args.sde_window_range) if args.sde_window_range else (0, None),
+        sde_window_shift_every=args.sde_window_shift_every,
         same_latent=args.same_latent, record_means=args.grpo_guard, ode_solver=args.ode_solver, **common,
     )
     eval_sampling = SamplingConfig(

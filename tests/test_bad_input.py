@@ -66,6 +66,9 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     (["--grpo_guard", "--sde_type", "flow_cps"],
      "--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective grpo with --sde_type "
      "flow_cps (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."),
+    (["--sde_window_shift_every", "2"],
+     "--sde_window_shift_every slides an SDE window of --sde_window_size steps every so many epochs: it must be >= 0 "
+     "and needs --sde_window_size > 0, got 2 with --sde_window_size 0."),
     (["--grpo_guard_reweight", "--objective", "nft"],
      "--grpo_guard_reweight weights GRPO's flow_sde steps by 1 / (T dt); it does not apply to --objective nft with "
      "--sde_type flow_sde (use --objective grpo --sde_type flow_sde, or drop it)."),

@@ -1,6 +1,8 @@
 """The shared denoising loop: what it records, and that recomputing the recorded transitions
 under the same weights gives back the recorded log-probs (PPO ratio exactly 1)."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,6 +67,25 @@ def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window
     assert rollout.samples.shape == (2, 3, frames, 32, 32)
     assert rollout.samples.min() >= 0 and rollout.samples.max() <= 1 and rollout.samples.std() > 0
     assert rollout.prompts == prompts and rollout.group_indices == indices
+
+
+def test_progressive_window_slides_one_step_every_n_epochs_then_stays():
+    from genrl.rollout import progressive_window_start, stochastic_steps
+
+    # lo 1, last start 4 (range (1, 7), window 3), a step every 2 epochs: 1 1 2 2 3 3 4 4 4 ...
+    assert [progressive_window_start(e, 1, 4, 2) for e in range(10)] == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]
+    config = SamplingConfig(num_inference_steps=8, sde_window_size=3, sde_window_range=(1, 7), sde_window_shift_every=2)
+    sigmas = torch.linspace(1, 0, 9)
+    for epoch, start in ((0, 1), (5, 3), (40, 4)):
+        mask = stochastic_steps(["a", "b", "c"], sigmas, seed=0, epoch=epoch, config=config)
+        expected = torch.zeros(8, dtype=torch.bool)
+        expected[start : start + 3] = True
+        assert (mask == expected).all(), (epoch, mask)  # one window for every prompt, whatever the seed
+    random = stochastic_steps([f"p{i}" for i in range(12)], sigmas, seed=0, epoch=0,
+                              config=dataclasses.replace(config, sde_window_shift_every=0))
+    assert len({int(row.nonzero()[0]) for row in random}) > 1, "the default draws a window per prompt"
+    with pytest.raises(ValueError, match="sde_window_shift_every must be >= 0"):
+        SamplingConfig(sde_window_shift_every=-1)
 
 
 def test_records_only_the_stochastic_steps_of_the_window(policies):

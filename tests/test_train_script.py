@@ -175,7 +175,7 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path,
 
 @pytest.mark.parametrize("family, reward, extra", [
     ("wan", "temporal_smoothness:1,jpeg_compressibility:0.1",
-     ["--num_frames", "5", "--eval_prompt_dataset", "PROMPTS", "--eval_steps", "1", "--eval_max_batches", "1",
+     ["--num_frames", "5", "--sde_window_shift_every", "1", "--eval_prompt_dataset", "PROMPTS", "--eval_steps", "1", "--eval_max_batches", "1",
       "--eval_log_samples", "2"]),
     ("flux", "jpeg_compressibility",
      ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard", "--grpo_guard_reweight"]),
