@@ -347,13 +347,16 @@ def main(args) -> list[dict]:
         prompts, indices = common.group_prompts(args.group_size, args.group_size)
         batch = index_rollout(recorded, list(range(args.train_batch_size)))
         advantages = torch.randn(args.train_batch_size, generator=torch.Generator().manual_seed(0)).to(device)
-        model.eval()
-        phases = {
-            "rollout": lambda: sample_rollout(policy, model, prompts, indices, seed=0, epoch=0, config=sampling, device=device),
-            "train": lambda: (model.train(), ppo_step(policy, model, optimizer, accelerator, batch, advantages, 0,
-                                                      config=sampling)),
-        }
-        for phase, fn in phases.items():
+
+        def rollout_once():
+            model.eval()
+            sample_rollout(policy, model, prompts, indices, seed=0, epoch=0, config=sampling, device=device)
+
+        def train_once():
+            model.train()
+            ppo_step(policy, model, optimizer, accelerator, batch, advantages, 0, config=sampling)
+
+        for phase, fn in (("rollout", rollout_once), ("train", train_once)):
             table, ops = profile_ops(fn, device, args.profile_rows)
             print(f"\ntorch.profiler, one {'rollout' if phase == 'rollout' else 'PPO step'} "
                   f"(top {args.profile_rows} ops by self {'device' if device.type == 'cuda' else 'CPU'} time):\n{table}")
