@@ -6,8 +6,8 @@
 The trainer's set-up and inner loop, without the data and reward plumbing: the Accelerator of
 ``genrl.distributed`` (gloo on a CPU), DeepSpeed batch sizes from the arguments, frozen parts
 built outside ZeRO-3, ``accelerator.prepare(transformer, AdamW)``; then one ``sample_rollout``
-batch per rank (warm-up, then timed) and PPO steps (``step_log_prob`` + ``grpo_loss`` +
-``accelerator.backward`` + clip + step) on its transitions. Each rank writes
+batch per rank (warm-up, then timed) and PPO steps (``bench_train_step.ppo_step``:
+``step_log_prob`` + ``grpo_loss`` + ``accelerator.backward`` + clip + step) on its transitions. Each rank writes
 ``OUT/rank<r>.json`` with its times and memory per phase (MiB, see bench/common.py):
 
 - ``after_build_mb``: held once the model is built, before prepare (on a GPU the transformer
@@ -38,6 +38,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import common  # noqa: E402
+from bench_train_step import ppo_step  # noqa: E402
 from common import PeakMemory, current_memory_mb, group_prompts, synchronize, tensor_memory_mb  # noqa: E402
 
 
@@ -63,8 +64,7 @@ def parse_args(argv=None):
 
 def main(args) -> dict:
     from genrl.distributed import build_accelerator, configure_deepspeed, size_zero3_buckets, zero_init_disabled
-    from genrl.grpo import grpo_loss
-    from genrl.rollout import SamplingConfig, sample_rollout, step_log_prob
+    from genrl.rollout import SamplingConfig, sample_rollout
 
     accelerator = build_accelerator(output_dir=args.output_dir, mixed_precision=args.mixed_precision)
     configure_deepspeed(accelerator, micro_batch_size=args.batch_size, max_grad_norm=1.0)
@@ -124,20 +124,9 @@ def main(args) -> dict:
             j = step % recorded.num_steps
             synchronize(device)
             start = time.perf_counter()
-            out = step_log_prob(
-                policy, model, recorded.latents[:, j], recorded.next_latents[:, j], recorded.timesteps[:, j],
-                recorded.sigmas[:, j], recorded.sigmas_next[:, j], recorded.embeds, config=config,
-                sigma_max=recorded.sigma_max,
-            )
-            loss, _ = grpo_loss(out.log_prob, recorded.log_probs[:, j].to(out.log_prob.device), advantages, 1e-3)
-            accelerator.backward(loss)
-            accelerator.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad()
-            synchronize(device)
+            ppo_step(policy, model, optimizer, accelerator, recorded, advantages, j, config=config)
             step_times.append(time.perf_counter() - start)
     report["train_peak_mb"] = mem.peak_mb
-    del out, loss
     report["tensors_after_train_mb"] = tensor_memory_mb(device)
     report["train_step_s"] = statistics.median(step_times[1:]) if len(step_times) > 1 else None
     report.update(batch=args.batch_size, steps=args.num_inference_steps, height=height, width=width, frames=frames,

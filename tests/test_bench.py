@@ -172,7 +172,6 @@ def test_h200_script_quick_run_counts_its_flops(runs):
         shares = [op["share"] for op in profile["ops"]]
         assert len(shares) == 5 and shares == sorted(shares, reverse=True)
         assert all(0 < s <= 1 for s in shares) and sum(shares) <= 1 + 1e-6
-    assert any("AdamW" in op["op"] or "aten::" in op["op"] for op in profiles[1]["ops"])
     # --fit_table: micro batches 1 and 2 (the group) without and with checkpointing; CFG doubles the rows.
     fits = figures[4:]
     assert [(f["micro_batch"], f["gradient_checkpointing"]) for f in fits] == [(1, False), (2, False), (1, True), (2, True)]
