@@ -58,6 +58,7 @@ from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
 from genrl.update import UpdateConfig, update_policy
+from genrl.zero_init import describe_partitioned_build, zero3_init_requested
 
 logger = get_logger(__name__)
 
@@ -114,9 +115,13 @@ def main(args):
     )
 
     # ---- Models --------------------------------------------------------------------------
-    with zero_init_disabled():  # frozen parts and reward models are never sharded
+    # With zero3_init_flag: true the transformer is built already partitioned (no rank holds all
+    # of it); frozen parts and reward models are never sharded.
+    plugin = accelerator.state.deepspeed_plugin
+    with zero_init_disabled():
         try:
-            policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype)
+            policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype,
+                                 zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None)
         except SetupError as e:
             raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)
@@ -127,6 +132,8 @@ def main(args):
         reward_fn = build_rewards()
         eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=reward_device,
                                               options=reward_options)
+    if zero3_init_requested(plugin):
+        logger.info(describe_partitioned_build(policy.transformer), main_process_only=False)
     reward_weights = dict(zip(reward_fn.names, reward_fn.weights))
     # The KL reference (and the reward watch's): under LoRA the adapter switched off; for full
     # fine-tuning a frozen copy, kept only when asked for (a second transformer in memory).
@@ -158,7 +165,7 @@ def main(args):
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
                                  num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
-    buckets = size_zero3_buckets(accelerator.state.deepspeed_plugin, policy.transformer)
+    buckets = size_zero3_buckets(plugin, policy.transformer)
     if buckets:
         logger.info(f"ZeRO-3 buffer sizes (elements): {buckets}", main_process_only=True)
     model, optimizer, lr_scheduler = accelerator.prepare(policy.transformer, optimizer, lr_scheduler)

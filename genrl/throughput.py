@@ -35,6 +35,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from genrl.policies.base import FlowPolicy
 from genrl.rollout import SamplingConfig
+from genrl.zero_init import full_shape
 
 
 @dataclass(frozen=True)
@@ -55,13 +56,13 @@ class TransformerCost:
 
 
 class _MetaModule:
-    """Calls ``module`` with meta copies of its parameters (``requires_grad`` kept) and buffers
-    (``torch.func.functional_call``); ``.module`` lets ``genrl.policies.base.module_dtype`` read
-    the real module's dtype."""
+    """Calls ``module`` with meta copies of its parameters (``requires_grad`` kept; full-size
+    where ZeRO-3 has partitioned them) and buffers (``torch.func.functional_call``); ``.module``
+    lets ``genrl.policies.base.module_dtype`` read the real module's dtype."""
 
     def __init__(self, module: torch.nn.Module):
         self.module = module
-        self.tensors = {name: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
+        self.tensors = {name: torch.empty(full_shape(p), dtype=p.dtype, device="meta").requires_grad_(p.requires_grad)
                         for name, p in module.named_parameters()}
         self.tensors.update({name: torch.empty_like(b, device="meta") for name, b in module.named_buffers()})
 

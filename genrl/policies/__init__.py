@@ -13,6 +13,7 @@ from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import WanPolicy
+from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
 POLICIES: dict[str, type[FlowPolicy]] = {
@@ -65,6 +66,7 @@ def load_policy(
     revision: str | None = None,
     variant: str | None = None,
     dtype: torch.dtype = torch.float32,
+    zero3_init_config: dict | None = None,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
@@ -72,24 +74,33 @@ def load_policy(
     trainer casts and prepares it). Components saved as null in model_index.json (e.g. SD3
     without T5) stay None. A ``sampling_defaults.json`` next to model_index.json, when
     present, sets the default sampling size.
+
+    ``zero3_init_config`` (a ZeRO-3 DeepSpeed config, with ``zero3_init_flag: true``): the
+    transformer is built partitioned across the ranks (``genrl.zero_init``) and no rank holds
+    all of it; collective, every rank calls it.
     """
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
         raise ValueError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
-    absent = {
+    components = {  # saved as null: stay None
         name: None
         for name, value in index.items()
         if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is None
     }
+    if zero3_init_config is not None:
+        transformer_class = getattr(diffusers, index["transformer"][1])
+        components["transformer"] = load_partitioned_transformer(
+            transformer_class, transformer_folder(path, revision), zero3_init_config, variant=variant
+        )
     try:
         pipeline = getattr(diffusers, class_name).from_pretrained(
             path,
             revision=revision,
             variant=variant,
             dtype={"default": dtype, "transformer": torch.float32},
-            **absent,
+            **components,
         )
     except OSError as error:  # a Hub model whose weights could not be downloaded
         if os.path.isdir(path):

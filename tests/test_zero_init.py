@@ -1,0 +1,68 @@
+"""Building the transformer partitioned (genrl.zero_init): which files hold which weights, and
+what refuses a checkpoint before any rank gathers. The partitioned build itself runs in the
+2-process ZeRO-3 runs of test_train_distributed.py (the shipped zero3.yaml sets
+zero3_init_flag: true), which must give DDP's weights."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from genrl.errors import SetupError
+from genrl.zero_init import add_variant, file_shapes, full_numel, full_shape, weight_files, weights_mismatch
+
+
+def test_add_variant_goes_before_the_last_suffix():
+    assert add_variant("diffusion_pytorch_model.safetensors", None) == "diffusion_pytorch_model.safetensors"
+    assert add_variant("diffusion_pytorch_model.safetensors", "fp16") == "diffusion_pytorch_model.fp16.safetensors"
+    assert (add_variant("diffusion_pytorch_model.safetensors.index.json", "bf16")
+            == "diffusion_pytorch_model.safetensors.index.bf16.json")
+
+
+def test_weight_files_reads_a_single_file_and_a_sharded_index(tmp_path):
+    single = tmp_path / "single"
+    single.mkdir()
+    save_file({"a.weight": torch.zeros(2, 3), "b": torch.zeros(4)}, str(single / "diffusion_pytorch_model.safetensors"))
+    path = str(single / "diffusion_pytorch_model.safetensors")
+    assert weight_files(str(single)) == {"a.weight": path, "b": path}
+    assert file_shapes(weight_files(str(single))) == {"a.weight": (2, 3), "b": (4,)}
+
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    save_file({"a.weight": torch.zeros(2, 3)}, str(sharded / "part-1.safetensors"))
+    save_file({"b": torch.zeros(5)}, str(sharded / "part-2.safetensors"))
+    (sharded / "diffusion_pytorch_model.safetensors.index.fp16.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": {"a.weight": "part-1.safetensors", "b": "part-2.safetensors"}})
+    )
+    files = weight_files(str(sharded), variant="fp16")
+    assert files == {"a.weight": str(sharded / "part-1.safetensors"), "b": str(sharded / "part-2.safetensors")}
+    assert file_shapes(files) == {"a.weight": (2, 3), "b": (5,)}
+
+
+def test_a_pickled_checkpoint_is_refused_with_one_sentence(tmp_path):
+    torch.save({"a": torch.zeros(1)}, str(tmp_path / "diffusion_pytorch_model.bin"))
+    with pytest.raises(SetupError) as error:
+        weight_files(str(tmp_path))
+    message = str(error.value)
+    assert "safetensors" in message and "zero3_init_flag: false" in message
+    with pytest.raises(SetupError):  # the plain file exists, the asked-for variant does not
+        save_file({"a": torch.zeros(1)}, str(tmp_path / "diffusion_pytorch_model.safetensors"))
+        weight_files(str(tmp_path), variant="fp16")
+
+
+def test_weights_mismatch_names_a_missing_or_misshapen_tensor_and_ignores_extras():
+    expected = {"proj.weight": (8, 4), "proj.bias": (8,)}
+    assert weights_mismatch(expected, {"proj.weight": (8, 4), "proj.bias": (8,), "unused": (1,)}) is None
+    missing = weights_mismatch(expected, {"proj.weight": (8, 4)})
+    assert "1 of the model's 2 tensors" in missing and "'proj.bias'" in missing
+    wrong = weights_mismatch(expected, {"proj.weight": (4, 8), "proj.bias": (8,)})
+    assert "'proj.weight'" in wrong and "(4, 8)" in wrong and "(8, 4)" in wrong
+
+
+def test_full_shape_of_an_unpartitioned_tensor_is_its_shape():
+    weight = torch.nn.Parameter(torch.zeros(3, 5))
+    assert full_shape(weight) == (3, 5) and full_numel(weight) == 15
+    weight.ds_shape, weight.ds_numel = torch.Size([6, 5]), 30  # what zero.Init sets on a partitioned one
+    assert full_shape(weight) == (6, 5) and full_numel(weight) == 30
+
