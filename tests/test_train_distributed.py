@@ -7,6 +7,7 @@ checkpoint and resumed with `latest` must end where an uninterrupted run ends.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -51,7 +52,9 @@ def runs(tiny_sd3, prompt_file, tmp_path_factory):
     out = {}
     for config in CONFIGS:
         output_dir = str(tmp_path_factory.mktemp(config))
-        run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir), config=config, num_processes=2)
+        proc = run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir), config=config, num_processes=2)
+        with open(os.path.join(output_dir, "launch.log"), "w") as f:
+            f.write(proc.stdout + proc.stderr)
         out[config] = output_dir
     return out
 
@@ -91,6 +94,23 @@ def test_ddp_zero2_zero3_give_the_same_weights(runs, folder):
         assert diff <= 1e-5, f"{config} {folder} differs from DDP by {diff}"
     trained, ema = exported_weights(runs["zero3"]), exported_weights(runs["zero3"], "transformer_ema")
     assert any(not torch.equal(trained[k], ema[k]) for k in trained), "the EMA export equals the trained weights"
+
+
+def test_zero3_builds_the_transformer_partitioned_and_counts_its_full_flops(runs):
+    # The shipped zero3.yaml sets zero3_init_flag: true: no rank ever holds the whole transformer
+    # (genrl.zero_init); the weights above equal DDP's, so the partitioned load was exact.
+    log = open(os.path.join(runs["zero3"], "launch.log")).read()
+    held = re.findall(r"\[RANK (\d)\] Transformer built under zero.Init: this rank holds ([\d,]+) of its ([\d,]+)", log)
+    assert sorted(rank for rank, _, _ in held) == ["0", "1"], log[-3000:]
+    for _, part, total in held:
+        assert int(part.replace(",", "")) <= 0.55 * int(total.replace(",", ""))
+    assert "Transformer built under zero.Init" not in open(os.path.join(runs["zero2"], "launch.log")).read()
+
+    def flops(output_dir):  # counted on the full shapes, not the partitions
+        lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
+        return [l["perf/transformer_flops"] for l in lines if "perf/transformer_flops" in l]
+
+    assert flops(runs["zero3"]) == flops(runs["multi_gpu"]) and flops(runs["zero3"])
 
 
 def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp_path):
