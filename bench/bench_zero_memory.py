@@ -10,13 +10,16 @@ and prints each rank's report as a JSON line: RSS (CPU) or CUDA allocated (GPU) 
 is built, peak and level after ``prepare``, peaks of the rollout and of the PPO steps, memory held
 by tensors after prepare and after training, and the rollout / PPO step times. The model is an
 SD3 transformer of ~73 M parameters (--scale mid: 8 joint blocks, width 512) with random
-weights on the tiny SD3 pipeline's text encoders and VAE.
+weights on the tiny SD3 pipeline's text encoders and VAE, saved once to disk and loaded by every
+rank as the trainer loads it: under ZeRO-3 with ``zero3_init_flag: true`` (the shipped zero3
+configs) each rank builds only its shard (``genrl.zero_init``).
 
     python bench/bench_zero_memory.py                   # zero2 and zero3, mid model (~2 min on 2 cores)
     python bench/bench_zero_memory.py --quick           # CI: tiny model (2 launches of 2 processes)
     python bench/bench_zero_memory.py --configs multi_gpu,zero2,zero3 --num_processes 4
     python bench/bench_zero_memory.py --scale large     # 335 M parameters (~10 min, ~17 GB on 2 cores)
     python bench/bench_zero_memory.py --ds_bucket_size 20000000   # reduce/prefetch buckets of your choice
+    python bench/bench_zero_memory.py --configs zero3 --zero3_init both   # partitioned build vs whole model first
 
 Under ZeRO-3 the workers size DeepSpeed's buckets as the trainer does
 (``genrl.distributed.size_zero3_buckets``, from the transformer's width); ``--ds_bucket_size``
@@ -33,7 +36,7 @@ import common
 from common import emit
 
 FIELDS = (
-    "after_build_mb", "prepare_peak_mb", "after_prepare_mb", "tensors_after_prepare_mb", "rollout_peak_mb",
+    "build_peak_mb", "after_build_mb", "tensors_after_build_mb", "prepare_peak_mb", "after_prepare_mb", "tensors_after_prepare_mb", "rollout_peak_mb",
     "train_peak_mb", "tensors_after_train_mb", "rollout_s", "train_step_s", "ds_reduce_bucket_size",
     "ds_prefetch_bucket_size", "torch_threads", "device",
 )
@@ -53,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--ds_bucket_size", type=int, default=None,
                         help="Set DeepSpeed's reduce_bucket_size and stage3_prefetch_bucket_size (elements); default: the "
                              "trainer's width-based sizes under ZeRO-3, DeepSpeed's own under ZeRO-2.")
+    parser.add_argument("--zero3_init", choices=["config", "true", "false", "both"], default="config",
+                        help="ZeRO-3 configs: build the transformer partitioned (true), whole on every rank first (false), "
+                             "both one after the other, or as the config file says (default).")
     parser.add_argument("--output_dir", type=str, default=None, help="Where ranks write their reports (default: a temp dir).")
     parser.add_argument("--timeout", type=int, default=900, help="Seconds per launch.")
     args = parser.parse_args(argv)
@@ -75,20 +81,28 @@ def main(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_zero_") as tmp:
         root = args.output_dir or tmp
+        model_path = common.save_bench_pipeline(args.family, args.scale, os.path.join(root, "model"))
+        runs = []  # (config, launch arguments, report folder)
         for config in [c.strip() for c in args.configs.split(",") if c.strip()]:
+            flags = {"both": ["true", "false"], "config": [None]}.get(args.zero3_init, [args.zero3_init])
+            for flag in flags if config.startswith("zero3") else [None]:
+                launch_args = ["--zero3_init_flag", flag] if flag else []
+                runs.append((config, launch_args, os.path.join(root, config + (f"-init-{flag}" if flag else ""))))
+        for config, launch_args, folder in runs:
             reports = common.launch_worker(
-                config, args.num_processes, worker_args, os.path.join(root, config),
-                threads_per_process=args.threads, timeout=args.timeout,
+                config, args.num_processes, [*worker_args, "--model_path", model_path], folder,
+                threads_per_process=args.threads, timeout=args.timeout, launch_args=launch_args,
             )
             for report in reports:
                 rows.append(emit({
-                    "bench": "zero_memory", "config": config, "zero_stage": report["zero_stage"],
+                    "bench": "zero_memory", "config": config, "zero3_init": report["zero3_init"],
+                    "zero_stage": report["zero_stage"],
                     "rank": report["rank"], "world_size": report["world_size"], "family": args.family,
                     "scale": args.scale, "params_m": report["params_m"], "model_fp32_mb": report["params_m"] * 1e6 * 4 / 2**20,
                     **{k: report.get(k) for k in FIELDS}, "mem_kind": report["mem_kind"],
                 }))
     common.print_table(rows, [
-        "config", "rank", "params_m", "after_build_mb", "after_prepare_mb", "tensors_after_prepare_mb", "rollout_peak_mb",
+        "config", "zero3_init", "rank", "params_m", "tensors_after_build_mb", "prepare_peak_mb", "after_prepare_mb", "tensors_after_prepare_mb", "rollout_peak_mb",
         "train_peak_mb", "tensors_after_train_mb", "rollout_s", "train_step_s",
     ], title=f"Per-rank memory (MiB, {rows[0]['mem_kind'] if rows else ''}) and times (s)")
     return rows

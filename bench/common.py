@@ -352,10 +352,24 @@ def build_bench_policy(family: str, scale: str = "tiny", seed: int = 0):
     return policy_for_pipeline(pipeline, **defaults)
 
 
-def count_parameters(module: torch.nn.Module) -> int:
-    from genrl.policies.base import unwrap_module
+def save_bench_pipeline(family: str, scale: str, path: str, seed: int = 0) -> str:
+    """``build_bench_policy``'s pipeline saved in diffusers format under ``path`` (with its
+    ``sampling_defaults.json``), for workers that load it as the trainer does; returns ``path``."""
+    from genrl.policies import SAMPLING_DEFAULTS_FILE
+    from genrl.testing.tiny_pipelines import TINY_SAMPLING_DEFAULTS
 
-    return sum(p.numel() for p in unwrap_module(module).parameters())
+    build_bench_policy(family, scale, seed).pipeline.save_pretrained(path)
+    with open(os.path.join(path, SAMPLING_DEFAULTS_FILE), "w") as f:
+        json.dump(TINY_SAMPLING_DEFAULTS[family], f)
+    return path
+
+
+def count_parameters(module: torch.nn.Module) -> int:
+    """All of the module's parameter elements (on all ranks together where ZeRO-3 partitions them)."""
+    from genrl.policies.base import unwrap_module
+    from genrl.zero_init import full_numel
+
+    return sum(full_numel(p) for p in unwrap_module(module).parameters())
 
 
 def group_prompts(batch_size: int, group_size: int) -> tuple[list[str], list[int]]:
@@ -405,17 +419,19 @@ def launch_worker(
     *,
     threads_per_process: int | None = None,
     timeout: int = 900,
+    launch_args: Sequence[str] = (),
 ) -> list[dict[str, Any]]:
     """Run ``bench/distributed_worker.py`` under ``accelerate launch --config_file
-    accelerate_configs/<config>.yaml --num_processes N`` and return the ranks' reports (read
-    from ``output_dir/rank<r>.json``), rank 0 first. Fails with the worker's output tail."""
+    accelerate_configs/<config>.yaml --num_processes N`` (plus ``launch_args``, e.g.
+    ``--zero3_init_flag false``) and return the ranks' reports (read from
+    ``output_dir/rank<r>.json``), rank 0 first. Fails with the worker's output tail."""
     path = os.path.join(ROOT, "accelerate_configs", f"{config}.yaml")
     if not os.path.isfile(path):
         raise ValueError(f"No accelerate config {path}; expected a name such as multi_gpu, zero2 or zero3.")
     os.makedirs(output_dir, exist_ok=True)
     command = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", path,
-        "--num_processes", str(num_processes), "--main_process_port", str(free_port()),
+        "--num_processes", str(num_processes), "--main_process_port", str(free_port()), *launch_args,
         os.path.join(ROOT, "bench", "distributed_worker.py"), "--output_dir", output_dir, *worker_args,
     ]
     env = dict(os.environ)

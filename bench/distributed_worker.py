@@ -10,8 +10,10 @@ batch per rank (warm-up, then timed) and PPO steps (``bench_train_step.ppo_step`
 ``step_log_prob`` + ``grpo_loss`` + ``accelerator.backward`` + clip + step) on its transitions. Each rank writes
 ``OUT/rank<r>.json`` with its times and memory per phase (MiB, see bench/common.py):
 
-- ``after_build_mb``: held once the model is built, before prepare (on a GPU the transformer
-  is still on the CPU then: only the frozen parts count);
+- ``build_peak_mb`` / ``after_build_mb``: peak while the model is built, held once it is, before
+  prepare (on a GPU the transformer is still on the CPU then: only the frozen parts count; on a
+  CPU, weights loaded from memory-mapped files count in RSS only once touched);
+- ``tensors_after_build_mb``: memory held by tensors then (see below), mapped weights included;
 - ``prepare_peak_mb`` / ``after_prepare_mb``: peak during ``accelerator.prepare``, held after it;
 - ``rollout_peak_mb``, ``train_peak_mb``: peaks of the rollout and of the PPO steps (the first
   includes DeepSpeed's first-step allocations);
@@ -19,9 +21,11 @@ batch per rank (warm-up, then timed) and PPO steps (``bench_train_step.ppo_step`
   allocated; CPU: live tensor storages), i.e. the model states a rank keeps: parameters (or
   their shard), gradients, optimizer states, plus the frozen parts and the recorded rollout.
 
-On a CPU every figure is the rank's RSS: with ``zero3_init_flag: false`` (the shipped configs)
-each rank first builds the whole model, so ``after_build_mb`` is the same under ZeRO-2 and 3;
-the sharding shows in the later figures.
+On a CPU every figure is the rank's RSS. With ``--model_path`` (a saved pipeline) the model loads
+as the trainer loads it (``load_policy``): under ZeRO-3 with ``zero3_init_flag: true`` (the shipped
+zero3 configs) already partitioned, so ``after_build_mb`` holds only this rank's shard; otherwise
+(and without ``--model_path``: random weights built in the worker) each rank first builds the whole
+model, and the sharding shows only from ``prepare`` on.
 """
 
 from __future__ import annotations
@@ -47,6 +51,9 @@ def parse_args(argv=None):
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--family", default="sd3")
     parser.add_argument("--scale", choices=common.SCALE_NAMES, default="tiny")
+    parser.add_argument("--model_path", default=None,
+                        help="A saved pipeline (common.save_bench_pipeline) to load as the trainer does; default: build "
+                             "--family at --scale with random weights.")
     parser.add_argument("--batch_size", type=int, default=2, help="Samples per rank (one prompt group).")
     parser.add_argument("--num_inference_steps", type=int, default=4)
     parser.add_argument("--guidance_scale", type=float, default=4.5)
@@ -64,6 +71,8 @@ def parse_args(argv=None):
 
 def main(args) -> dict:
     from genrl.distributed import build_accelerator, configure_deepspeed, size_zero3_buckets, zero_init_disabled
+    from genrl.policies import load_policy
+    from genrl.zero_init import zero3_init_requested
     from genrl.rollout import SamplingConfig, sample_rollout
 
     accelerator = build_accelerator(output_dir=args.output_dir, mixed_precision=args.mixed_precision)
@@ -78,11 +87,18 @@ def main(args) -> dict:
         "device": str(device), "mem_kind": common.memory_kind(device), "torch_threads": torch.get_num_threads(),
     }
 
-    with zero_init_disabled():  # as the trainer: frozen parts are never sharded
-        policy = common.build_bench_policy(args.family, args.scale).to(device)
+    plugin = accelerator.state.deepspeed_plugin
+    report["zero3_init"] = zero3_init_requested(plugin)
+    with zero_init_disabled(), PeakMemory(device) as mem:  # as the trainer: frozen parts are never sharded
+        if args.model_path:
+            policy = load_policy(args.model_path, zero3_init_config=plugin.deepspeed_config if report["zero3_init"] else None)
+        else:
+            policy = common.build_bench_policy(args.family, args.scale)
+        policy.to(device)
     transformer = policy.transformer.requires_grad_(True)
     report["params_m"] = common.count_parameters(transformer) / 1e6
-    report["after_build_mb"] = current_memory_mb(device)
+    report["build_peak_mb"], report["after_build_mb"] = mem.peak_mb, current_memory_mb(device)
+    report["tensors_after_build_mb"] = tensor_memory_mb(device)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6)
     size_zero3_buckets(accelerator.state.deepspeed_plugin, transformer)  # as the trainer; --ds_bucket_size wins
     with PeakMemory(device) as mem:

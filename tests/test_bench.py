@@ -148,6 +148,9 @@ def test_zero_memory_reports_every_rank_of_both_configs(runs):
     for f in figures:
         assert f["world_size"] == 2
         positive(f, "after_prepare_mb", "rollout_peak_mb", "train_peak_mb", "tensors_after_train_mb", "train_step_s")
+        # The shipped zero3.yaml builds the transformer partitioned; its size counts all shards.
+        assert f["zero3_init"] == (f["zero_stage"] == 3)
+    assert len({round(f["params_m"], 6) for f in figures}) == 1
     # ZeRO-3's engine runs with the trainer's width-based buckets, not DeepSpeed's 5e8 / 5e7 elements.
     from genrl.testing.tiny_pipelines import build_tiny_pipeline
 

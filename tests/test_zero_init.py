@@ -66,3 +66,12 @@ def test_full_shape_of_an_unpartitioned_tensor_is_its_shape():
     weight.ds_shape, weight.ds_numel = torch.Size([6, 5]), 30  # what zero.Init sets on a partitioned one
     assert full_shape(weight) == (6, 5) and full_numel(weight) == 30
 
+
+
+def test_transformer_folder_of_a_local_pipeline_and_an_unreachable_hub_id(tmp_path):
+    from genrl.zero_init import transformer_folder
+
+    assert transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
+    with pytest.raises(SetupError) as error:  # tests run with HF_HUB_OFFLINE=1
+        transformer_folder("genrl-test/not-a-model")
+    assert "'genrl-test/not-a-model'" in str(error.value) and "could not be fetched" in str(error.value)
