@@ -50,13 +50,15 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
     assert max(diffs) > 0, "the exported adapter did not change the loaded transformer"
 
 
-def test_deepspeed_bf16_trains_bf16_weights_from_fp32_masters(tiny_sd3, prompt_file, tmp_path):
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_deepspeed_bf16_trains_bf16_weights_from_fp32_masters(tiny_sd3, prompt_file, tmp_path, config):
     """The bf16-weights lever (fused bf16 kernels, half the weight memory): DeepSpeed's bf16 mode,
     also with one process. The forward runs bf16 weights, the optimizer steps fp32 masters, and
-    the update's recomputed log-probs still match the rollout's."""
+    the update's recomputed log-probs still match the rollout's. Under ZeRO-3 the transformer is
+    built partitioned (zero3.yaml's zero3_init_flag), its bf16 weights written in from the fp32 files."""
     out = str(tmp_path / "bf16")
     proc = run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--num_epochs", "1", "--mixed_precision",
-                                                  "bf16", "--learning_rate", "1e-3"), config="zero2", num_processes=1)
+                                                  "bf16", "--learning_rate", "1e-3"), config=config, num_processes=1)
     assert "Trained weights in bfloat16, the optimizer's master weights in float32." in proc.stderr + proc.stdout
     logged = [l for l in metrics(out) if "train/ratio_min" in l][-1]
     assert 0 <= logged["train/approx_kl"] < 1e-3
