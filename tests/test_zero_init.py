@@ -1,9 +1,11 @@
-"""Building the transformer partitioned (genrl.zero_init): which files hold which weights, and
-what refuses a checkpoint before any rank gathers. The partitioned build itself runs in the
-2-process ZeRO-3 runs of test_train_distributed.py (the shipped zero3.yaml sets
-zero3_init_flag: true), which must give DDP's weights."""
+"""Building the transformer partitioned (genrl.zero_init): which files hold which weights, what
+refuses a checkpoint before any rank gathers, and (2 processes, zero3.yaml) that every family's
+partitioned build holds half the weights per rank and gathers to exactly the pretrained ones.
+The 2-process ZeRO-3 training runs of test_train_distributed.py go through the same build
+(the shipped zero3.yaml sets zero3_init_flag: true) and must give DDP's weights."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -75,3 +77,29 @@ def test_transformer_folder_of_a_local_pipeline_and_an_unreachable_hub_id(tmp_pa
     with pytest.raises(SetupError) as error:  # tests run with HF_HUB_OFFLINE=1
         transformer_folder("genrl-test/not-a-model")
     assert "'genrl-test/not-a-model'" in str(error.value) and "could not be fetched" in str(error.value)
+
+
+@pytest.mark.slow
+def test_every_family_loads_partitioned_to_the_pretrained_weights_and_a_misfit_fails_on_every_rank(tmp_path):
+    import shutil
+
+    from conftest import run_script
+    from genrl.testing.tiny_pipelines import FAMILIES, save_tiny_pipeline
+
+    folders = [save_tiny_pipeline(family, str(tmp_path / family)) for family in FAMILIES]
+    misfit = str(tmp_path / "misfit")  # one block more in the config than in the weights
+    shutil.copytree(folders[0], misfit)
+    config_path = os.path.join(misfit, "transformer", "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["num_layers"] += 1
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    out = str(tmp_path / "results.json")
+    run_script("tests/_zero_init_worker.py", [out, *folders, misfit], config="zero3", num_processes=2, timeout=300)
+    with open(out) as f:
+        results = json.load(f)
+    for folder in folders:
+        assert results[folder]["max_diff"] == 0.0, folder
+        assert 0.45 <= results[folder]["held_fraction"] <= 0.55, folder  # this rank's half, not the whole model
+    assert "do not fit" in results[misfit]["error"] and "lack" in results[misfit]["error"]
