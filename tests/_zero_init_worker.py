@@ -8,7 +8,6 @@ import os
 import sys
 
 import deepspeed
-import torch
 
 from genrl.distributed import build_accelerator, configure_deepspeed, zero_init_disabled
 from genrl.errors import SetupError
