@@ -23,9 +23,9 @@ batch per rank (warm-up, then timed) and PPO steps (``bench_train_step.ppo_step`
 
 On a CPU every figure is the rank's RSS. With ``--model_path`` (a saved pipeline) the model loads
 as the trainer loads it (``load_policy``): under ZeRO-3 with ``zero3_init_flag: true`` (the shipped
-zero3 configs) already partitioned, so ``after_build_mb`` holds only this rank's shard; otherwise
-(and without ``--model_path``: random weights built in the worker) each rank first builds the whole
-model, and the sharding shows only from ``prepare`` on.
+zero3 configs) already partitioned, so ``tensors_after_build_mb`` counts only this rank's shard;
+otherwise (and without ``--model_path``: random weights built in the worker) each rank first builds
+the whole model, and the sharding shows only from ``prepare`` on.
 """
 
 from __future__ import annotations
