@@ -138,6 +138,25 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
         assert diff <= 1e-6, f"resumed run's {folder} differs from the uninterrupted one by {diff}"
 
 
+def test_zero3_resumes_from_a_checkpoint_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp_path):
+    # The resumed run builds the transformer partitioned again (zero3.yaml's zero3_init_flag),
+    # then DeepSpeed loads each rank's shard of weights and optimizer states over it.
+    output_dir = str(tmp_path / "zero3")
+    shutil.copytree(runs["zero3"], output_dir)
+    for name in ("checkpoint-3", "transformer", "transformer_ema"):
+        shutil.rmtree(os.path.join(output_dir, name))
+    proc = run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir, "--resume_from_checkpoint", "latest"),
+                      config="zero3", num_processes=2)
+    assert f"Resuming from {os.path.join(output_dir, 'checkpoint-2')}" in proc.stdout + proc.stderr
+    steps = [json.loads(l)["step"] for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))
+             if "train/approx_kl" in l]
+    assert steps == [1, 2, 3], "the resumed run trained only the last epoch"
+    for folder in ("transformer", "transformer_ema"):
+        resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero3"], folder)
+        diff = max((resumed[k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+        assert diff <= 1e-6, f"resumed run's {folder} differs from the uninterrupted one by {diff}"
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_real_checkpoints_pass_the_resume_check_and_each_poisoned_file_is_refused(runs, config, tmp_path):
     """The allow-list admits every file DDP, ZeRO-2 and ZeRO-3 write, and nothing with a payload."""
