@@ -8,7 +8,11 @@ same loggers' other warnings still show:
   installed); falling back to ...Pil" (the image processors are never used for training);
 - diffusers: "There are modules in AutoencoderKL that should be kept in float32: []" (an
   empty list: there is nothing to keep in float32; a non-empty list still shows);
-- DeepSpeed on a machine without GPU: "Setting accelerator to CPU" (the CPU run is meant).
+- DeepSpeed on a machine without GPU: "Setting accelerator to CPU" (the CPU run is meant);
+- torch, as a Python warning each time DeepSpeed's ZeRO gathers or reduce-scatters:
+  "`torch.distributed.all_gather_into_tensor` is deprecated" (and ``reduce_scatter_tensor``).
+  It is DeepSpeed's call to change, not the user's, and a ZeRO-3 run printed it thousands of
+  times: libraries that touch the warning filters reset Python's once-per-place memory.
 
 accelerate's "The following values were not passed to `accelerate launch`" comes from the
 launcher's process, before this script starts: ``--config_file accelerate_configs/single_gpu.yaml``
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 from typing import Mapping
 
 from genrl.scores import drop_repeated_total
@@ -29,6 +34,12 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
     "diffusers.models.modeling_utils": (r"should be kept in float32: \[\]\.",),
     "DeepSpeed": (r"^Setting accelerator to CPU\.",),
 }
+
+
+# (category, pattern matched at the start of the message) of Python warnings that are known noise
+KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+)
 
 
 class DropMessages(logging.Filter):
@@ -43,13 +54,17 @@ class DropMessages(logging.Filter):
         return not any(p.search(message) for p in self.patterns)
 
 
-def silence_known_noise(noise: Mapping[str, tuple[str, ...]] = KNOWN_NOISE) -> None:
-    """Attach a ``DropMessages`` filter to each logger of ``noise`` (once per logger). Call it
-    before the libraries are imported: some warn at import time."""
+def silence_known_noise(noise: Mapping[str, tuple[str, ...]] = KNOWN_NOISE,
+                        warning_noise: tuple[tuple[type[Warning], str], ...] = KNOWN_WARNINGS) -> None:
+    """Attach a ``DropMessages`` filter to each logger of ``noise`` (once per logger) and ignore
+    the Python warnings of ``warning_noise``. Call it before the libraries are imported: some
+    warn at import time."""
     for name, patterns in noise.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, DropMessages) for f in logger.filters):
             logger.addFilter(DropMessages(patterns))
+    for category, pattern in warning_noise:
+        warnings.filterwarnings("ignore", message=pattern, category=category)
 
 
 def hide_loading_bars() -> None:

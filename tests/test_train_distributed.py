@@ -105,6 +105,8 @@ def test_zero3_builds_the_transformer_partitioned_and_counts_its_full_flops(runs
     for _, part, total in held:
         assert int(part.replace(",", "")) <= 0.55 * int(total.replace(",", ""))
     assert "Transformer built under zero.Init" not in open(os.path.join(runs["zero2"], "launch.log")).read()
+    # DeepSpeed's gathers call torch APIs deprecated in torch 2.13: the warning is known noise.
+    assert "all_gather_into_tensor` is deprecated" not in log and "reduce_scatter_tensor` is deprecated" not in log
 
     def flops(output_dir):  # counted on the full shapes, not the partitions
         lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
