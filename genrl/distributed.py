@@ -17,6 +17,7 @@ from accelerate import Accelerator
 from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
 
 from genrl.errors import SetupError
+from genrl.zero_init import full_numel, full_shape
 
 
 def gpu_shortage(local_processes: int, gpus: int) -> str | None:
@@ -141,7 +142,7 @@ def transformer_width(model: torch.nn.Module) -> int:
     heads, head_dim = getattr(config, "num_attention_heads", None), getattr(config, "attention_head_dim", None)
     if heads and head_dim:
         return int(heads) * int(head_dim)
-    sizes = [p.numel() for p in model.parameters() if p.ndim == 2]
+    sizes = [full_numel(p) for p in model.parameters() if len(full_shape(p)) == 2]  # ZeRO-3 shards are 1-D
     return max(1, int(max(sizes) ** 0.5)) if sizes else 1
 
 

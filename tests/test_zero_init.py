@@ -48,8 +48,8 @@ def test_a_pickled_checkpoint_is_refused_with_one_sentence(tmp_path):
         weight_files(str(tmp_path))
     message = str(error.value)
     assert "safetensors" in message and "zero3_init_flag: false" in message
+    save_file({"a": torch.zeros(1)}, str(tmp_path / "diffusion_pytorch_model.safetensors"))
     with pytest.raises(SetupError):  # the plain file exists, the asked-for variant does not
-        save_file({"a": torch.zeros(1)}, str(tmp_path / "diffusion_pytorch_model.safetensors"))
         weight_files(str(tmp_path), variant="fp16")
 
 
