@@ -23,6 +23,7 @@ on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceiling
     python bench/bench_learning.py --objectives nft --seeds 0 1 2 --max_train_steps 60
     python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~10 min)
     python bench/bench_learning.py --objectives grpo --extra=--grpo_guard   # an option of one objective
+    python bench/bench_learning.py --objectives nft --base_model /tmp/toy6k --guidance_scale 1   # another base, CFG-free
     python bench/bench_learning.py --quick                        # CI: tiny random model, 2 steps, one seed
 """
 
@@ -42,6 +43,18 @@ import common
 from common import ROOT, emit
 
 OBJECTIVES = ("grpo", "nft", "awm")
+def as_flags(values: dict) -> list[str]:
+    """train_genrl.py flags for ``{flag name: value}``: True -> ``--name``, False -> ``--no-name``,
+    a list -> its items after the flag."""
+    flags = []
+    for key, value in values.items():
+        if isinstance(value, bool):
+            flags.append(f"--{key}" if value else f"--no-{key}")
+        else:
+            flags += [f"--{key}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
+    return flags
+
+
 def objective_args(objective: str) -> list[str]:
     """``--objective`` and what the no-argument run changes with it (genrl.train_args's
     DEFAULT_RUN_BY_OBJECTIVE: the sampler each objective needs, its learning rate), as flags,
@@ -49,13 +62,18 @@ def objective_args(objective: str) -> list[str]:
     arguments come after and win."""
     from genrl import train_args
 
-    flags = ["--objective", objective]
-    for key, value in train_args.DEFAULT_RUN_BY_OBJECTIVE[objective].items():
-        if isinstance(value, bool):
-            flags.append(f"--{key}" if value else f"--no-{key}")
-        else:
-            flags += [f"--{key}", *(str(v) for v in (value if isinstance(value, list) else [value]))]
-    return flags
+    return ["--objective", objective, *as_flags(train_args.DEFAULT_RUN_BY_OBJECTIVE[objective])]
+
+
+def toy_run_args(model: str) -> list[str]:
+    """The no-argument run's settings (``train_args.DEFAULT_RUN``) spelled out as flags, with
+    ``model`` as the base: naming a model leaves the embedded default, so everything else it sets
+    is passed explicitly and the run differs from the no-argument one only in its weights. The
+    objective is left out: ``objective_args`` comes first in a run and brings it, with its sampler."""
+    from genrl import train_args
+
+    values = {k: v for k, v in train_args.DEFAULT_RUN.items() if k != "objective"}
+    return as_flags({**values, "pretrained_model_name_or_path": model})
 
 
 THRESHOLDS = (0.6, 0.8)
@@ -78,11 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="Runs, logs and learning_curves.png (default bench-output/learning-<setting>; a temporary folder with --quick).")
     parser.add_argument("--no_ceilings", action="store_true", help="Skip the best-of-K and supervised ceilings.")
     parser.add_argument("--supervised_steps", type=int, default=None, help="Ceiling fine-tuning steps (600; 2 with --quick).")
+    parser.add_argument("--base_model", type=str, default=None,
+                        help="toy setting: another toy pipeline folder as the base (e.g. one pretrained longer by "
+                             "scripts/pretrain_toy_model.py), for the runs and the ceilings; default: the shipped model.")
+    parser.add_argument("--guidance_scale", type=float, default=None,
+                        help="toy setting: sampling and evaluation CFG scale of the runs and the ceilings (1: CFG-free); "
+                             "default: the no-argument run's.")
     parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string "
                         "(write --extra=--grpo_guard when it starts with a dash and has no space).")
     args = parser.parse_args(argv)
     args.quick = args.quick or args.setting == "quick"
     args.setting = "quick" if args.quick else args.setting
+    if args.setting != "toy" and (args.base_model or args.guidance_scale is not None):
+        parser.error(f"--base_model and --guidance_scale apply to the toy setting, not to --setting {args.setting}.")
     args.seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
     args.supervised_steps = args.supervised_steps or (2 if args.quick else 600)
     args.output_dir = args.output_dir or (
@@ -102,12 +128,15 @@ def _write_prompts(path: str, prompts) -> str:
     return path
 
 
-def setting_args(setting: str, workdir: str) -> list[str]:
-    """train_genrl.py arguments of a setting, on top of the no-argument run's."""
+def setting_args(setting: str, workdir: str, base_model: str | None = None,
+                 guidance_scale: float | None = None) -> list[str]:
+    """train_genrl.py arguments of a setting, on top of the no-argument run's (toy: on
+    ``base_model`` when given, at ``guidance_scale`` when given)."""
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     if setting == "toy":
-        return []
+        flags = toy_run_args(base_model) if base_model else []
+        return flags + (["--guidance_scale", str(guidance_scale)] if guidance_scale is not None else [])
     if setting == "video":
         model = save_tiny_pipeline("wan", os.path.join(workdir, "tiny-wan"), seed=0)
         train = _write_prompts(os.path.join(workdir, "train.txt"), common.PROMPTS[:6])
@@ -197,9 +226,9 @@ def summarize(objective: str, curves: list[dict]) -> dict:
 # ----- the ceilings ---------------------------------------------------------------------------
 
 
-def eval_setting(batches: tuple[int, int] | None = None):
+def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float | None = None):
     """The held-out prompts and evaluation settings of the no-argument run; ``batches`` =
-    (max_batches, batch_size) overrides its evaluation size."""
+    (max_batches, batch_size) overrides its evaluation size, ``guidance_scale`` its CFG scale."""
     from genrl import train_args
     from genrl.data import load_prompts
     from genrl.rewards import build_reward_fn
@@ -209,35 +238,41 @@ def eval_setting(batches: tuple[int, int] | None = None):
     if batches is not None:
         run["eval_max_batches"], run["eval_batch_size"] = batches
     prompts = load_prompts(run["eval_prompt_dataset"])
-    config = SamplingConfig(num_inference_steps=10, guidance_scale=run["guidance_scale"], noise_level=0.0)
+    guidance = run["guidance_scale"] if guidance_scale is None else guidance_scale
+    config = SamplingConfig(num_inference_steps=10, guidance_scale=guidance, noise_level=0.0)
     return prompts, build_reward_fn("toy_geneval"), config, run
 
 
-def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None) -> list[float]:
+def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None,
+                    guidance_scale: float | None = None) -> list[float]:
     """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it."""
     from genrl.evaluation import evaluate
 
-    prompts, reward_fn, config, run = eval_setting(batches)
+    prompts, reward_fn, config, run = eval_setting(batches, guidance_scale)
     result = evaluate(policy, policy.transformer, prompts.prompts, reward_fn, seed=seed, batch_size=run["eval_batch_size"],
                       max_batches=run["eval_max_batches"], config=config, device="cpu", metadata=prompts.metadata,
                       keep_samples=0)
     return [r["scores"]["toy_geneval"] for r in result.per_prompt]
 
 
-def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None) -> dict:
-    """Mean over held-out prompts of the best of ``k`` base-model samples (seeds 0..k-1)."""
+def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str | None = None,
+                      guidance_scale: float | None = None) -> dict:
+    """Mean over held-out prompts of the best of ``k`` base-model samples (seeds 0..k-1); the
+    base is ``model`` (default: the shipped toy model)."""
     from genrl.policies import load_policy
     from genrl import train_args
 
-    policy = load_policy(train_args.DEFAULT_MODEL).to("cpu")
-    per_seed = [held_out_scores(policy, seed, batches) for seed in range(k)]
+    policy = load_policy(model or train_args.DEFAULT_MODEL).to("cpu")
+    per_seed = [held_out_scores(policy, seed, batches, guidance_scale) for seed in range(k)]
     best = [max(scores) for scores in zip(*per_seed)]
     return {"bench": "learning", "ceiling": f"best_of_{k}", "score": statistics.fmean(best),
             "single_sample": statistics.fmean(per_seed[0])}
 
 
-def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None) -> dict:
-    """The toy model fine-tuned on ground-truth scenes of the train prompts, then evaluated."""
+def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None, model: str | None = None,
+                       guidance_scale: float | None = None) -> dict:
+    """The toy model (``model``, default the shipped one) fine-tuned on ground-truth scenes of
+    the train prompts, then evaluated."""
     import numpy as np
     import torch
     from diffusers import StableDiffusion3Pipeline
@@ -248,7 +283,7 @@ def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None) -> di
     from genrl.policies import policy_for_pipeline
     from genrl.toy_scenes import all_specs, is_test_combination
 
-    pipe = StableDiffusion3Pipeline.from_pretrained(train_args.DEFAULT_MODEL)
+    pipe = StableDiffusion3Pipeline.from_pretrained(model or train_args.DEFAULT_MODEL)
     pipe.set_progress_bar_config(disable=True)
     options = pretrain.parse_args(["--steps", str(steps), "--learning_rate", "3e-4", "--warmup_steps", "0",
                                    "--log_every", str(max(1, steps // 4))] + (["--batch_size", "8"] if steps < 10 else []))
@@ -258,7 +293,8 @@ def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None) -> di
     pretrain.train_transformer(pipe, specs, options, np.random.default_rng(0))
     seconds = time.perf_counter() - start
     policy = policy_for_pipeline(pipe).to("cpu")
-    return {"bench": "learning", "ceiling": "supervised", "score": statistics.fmean(held_out_scores(policy, 0, batches)),
+    return {"bench": "learning", "ceiling": "supervised",
+            "score": statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale)),
             "steps": steps, "train_s": seconds}
 
 
@@ -302,7 +338,7 @@ def main(args) -> list[dict]:
     common.print_machine("cpu", note=f"{args.jobs} runs at a time")
     os.makedirs(args.output_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-learning-")
-    base = setting_args(args.setting, workdir)
+    base = setting_args(args.setting, workdir, args.base_model, args.guidance_scale)
     if args.quick:
         args.max_train_steps = args.max_train_steps or 2
         args.eval_steps = args.eval_steps or 1
@@ -324,8 +360,8 @@ def main(args) -> list[dict]:
     ceilings = []
     if not args.no_ceilings and args.setting != "video":
         group_size = 2 if args.quick else 8
-        ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches)),
-                    emit(supervised_ceiling(args.supervised_steps, args.ceiling_batches))]
+        ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
+                    emit(supervised_ceiling(args.supervised_steps, args.ceiling_batches, args.base_model, args.guidance_scale))]
         common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "train_s"], title="Ceilings")
     path = plot(curves, ceilings, os.path.join(args.output_dir, "learning_curves.png"), SCORES[args.setting])
     emit({"bench": "learning", "plot": path})

@@ -254,3 +254,25 @@ def test_tensor_memory_counts_shared_storage_once():
     grown = tensor_memory_mb("cpu") - before
     assert 9.5 < grown < 11, grown
     del flat, views, parts
+
+
+def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_path):
+    # Naming a model leaves the embedded default run, so --base_model spells every DEFAULT_RUN
+    # value out: the parsed run must equal the no-argument one in everything but the weights.
+    import bench_learning
+    from genrl import train_args
+
+    other = str(tmp_path / "longer-pretrained")
+    os.makedirs(other)
+    out = ["--output_dir", str(tmp_path / "out")]
+    changed = ("pretrained_model_name_or_path", "guidance_scale")
+    for objective in bench_learning.OBJECTIVES:  # as run_training orders them: the objective, then the setting
+        flags = bench_learning.objective_args(objective) + bench_learning.setting_args(
+            "toy", str(tmp_path), base_model=other, guidance_scale=1.0)
+        got = vars(train_args.parse_args(flags + out))
+        want = vars(train_args.parse_args(["--objective", objective] + out))
+        assert got["pretrained_model_name_or_path"] == other and got["guidance_scale"] == 1.0
+        assert {k: v for k, v in got.items() if k not in changed} == {k: v for k, v in want.items() if k not in changed}
+    assert bench_learning.setting_args("toy", str(tmp_path)) == []  # the shipped model: the no-argument run itself
+    with pytest.raises(SystemExit):
+        bench_learning.parse_args(["--setting", "video", "--base_model", other])
