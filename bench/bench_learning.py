@@ -43,6 +43,8 @@ import common
 from common import ROOT, emit
 
 OBJECTIVES = ("grpo", "nft", "awm")
+
+
 def as_flags(values: dict) -> list[str]:
     """train_genrl.py flags for ``{flag name: value}``: True -> ``--name``, False -> ``--no-name``,
     a list -> its items after the flag."""
