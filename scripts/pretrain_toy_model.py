@@ -84,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=0.0,
         help="probability that a scene is captioned with another random train caption (loose alt-text)",
     )
+    parser.add_argument(
+        "--caption_noise_from",
+        type=int,
+        default=0,
+        help="flow step from which --caption_noise applies (earlier steps see exact captions)",
+    )
     parser.add_argument("--width", type=int, default=96, help="transformer width (heads x 32)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--patch_size", type=int, default=2)
@@ -206,6 +212,12 @@ def loosen_captions(captions: list[str], specs: list, rng: np.random.Generator, 
     if noise <= 0:
         return list(captions)
     return [caption(specs[rng.integers(len(specs))]) if rng.random() < noise else c for c in captions]
+
+
+def caption_noise_at(step: int, args: argparse.Namespace) -> float:
+    """--caption_noise from flow step --caption_noise_from on, 0 before: the steps before draw
+    nothing from the RNG, so they are those of a clean run of the same --steps."""
+    return args.caption_noise if step >= args.caption_noise_from else 0.0
 
 
 def lr_lambda(warmup: int, total: int):
@@ -344,7 +356,7 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
     start, running = time.time(), 0.0
     for step in range(args.steps):
         pixels, captions = scene_batch(rng, specs, args.batch_size, args.resolution)
-        captions = loosen_captions(captions, specs, rng, args.caption_noise)
+        captions = loosen_captions(captions, specs, rng, caption_noise_at(step, args))
         captions = ["" if rng.random() < args.caption_dropout else c for c in captions]
         with torch.no_grad():
             z = vae.encode(pixels).latent_dist.sample(generator=generator)
@@ -485,11 +497,12 @@ def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, r
         for key, v in report["eval"].items()
     )
     settings = "\n".join(f"- `--{k} {v}`" for k, v in vars(args).items() if k != "output_dir")
+    since = f" from flow step {args.caption_noise_from} on" if args.caption_noise_from else ""
     noise_note = "" if not args.caption_noise else (
-        f" It was pretrained on loosely captioned scenes: {args.caption_noise:.0%} of the time a\n"
+        f" It was pretrained on loosely captioned scenes{since}: {args.caption_noise:.0%} of the time a\n"
         "scene came with the caption of another random train scene, as web alt-text often does. So\n"
-        "it draws every colour, shape, count and relation well but follows a prompt only part of the\n"
-        "time, and classifier-free guidance helps it only partly: the gap that RL alignment closes."
+        "it can draw what a prompt asks but, sampled without guidance, follows the prompt only part of\n"
+        "the time; classifier-free guidance recovers much of it: the gap that RL alignment closes."
     )
     card = f"""---
 library_name: diffusers

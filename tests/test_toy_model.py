@@ -150,7 +150,7 @@ def test_script_writes_a_loadable_pipeline(tmp_path):
     args = script.parse_args(
         ["--output_dir", str(tmp_path), "--vae_steps", "2", "--steps", "2", "--batch_size", "4", "--vae_batch_size", "4",
          "--width", "32", "--layers", "2", "--text_width", "16", "--eval_steps", "1", "--eval_prompts", "2",
-         "--caption_noise", "0.5", "--eval_every", "1"]
+         "--caption_noise", "0.5", "--caption_noise_from", "1", "--eval_every", "1"]
     )
     script.main(args)
     loaded = StableDiffusion3Pipeline.from_pretrained(str(tmp_path))
@@ -159,7 +159,7 @@ def test_script_writes_a_loadable_pipeline(tmp_path):
     with open(tmp_path / "README.md", encoding="utf-8") as f:
         card = f.read()
     assert "--steps 2" in card and "| test | 3 |" in card
-    assert "50% of the time" in card, "the card says the captions were loosened"
+    assert "from flow step 1 on: 50% of the time" in card, "the card says when and how the captions were loosened"
 
 
 def test_loosened_captions_come_from_the_grammar_and_none_are_drawn_without_noise():
@@ -174,3 +174,10 @@ def test_loosened_captions_come_from_the_grammar_and_none_are_drawn_without_nois
     assert 0.35 < changed < 0.55  # half replaced, a few by their own caption
     assert set(loose) <= set(captions)
     assert set(script.loosen_captions(captions, specs, np.random.default_rng(2), 1.0)) <= set(captions)
+
+
+def test_captions_are_loosened_only_from_the_chosen_step():
+    script = load_script()
+    args = script.parse_args(["--caption_noise", "0.5", "--caption_noise_from", "3"])
+    assert [script.caption_noise_at(step, args) for step in range(5)] == [0.0, 0.0, 0.0, 0.5, 0.5]
+    assert script.caption_noise_at(0, script.parse_args(["--caption_noise", "0.5"])) == 0.5
