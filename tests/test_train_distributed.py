@@ -198,14 +198,14 @@ def test_resuming_a_poisoned_zero2_checkpoint_fails_before_loading_and_runs_noth
 
 
 def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
-    """The toy reward is discrete, so whole groups often score alike (zero advantage): each rank
-    drops a different number of samples, yet both must take the same optimizer steps or ZeRO-3's
-    collectives would hang (the run has a timeout)."""
+    """The toy colour check is discrete (0, 1/2 or 1 per sample), so whole groups often score alike
+    (zero advantage): each rank drops a different number of samples, yet both must take the same
+    optimizer steps or ZeRO-3's collectives would hang (the run has a timeout)."""
     output_dir = str(tmp_path / "filtered")
     args = [
         "--pretrained_model_name_or_path", os.path.join(ROOT, "genrl", "assets", "toy-shapes-t2i"),
         "--prompt_dataset", os.path.join(ROOT, "genrl", "assets", "prompts", "toy_train.txt"),
-        "--reward_fn", "toy_geneval", "--output_dir", output_dir, "--group_size", "4",
+        "--reward_fn", "toy_geneval_color", "--output_dir", output_dir, "--group_size", "4",
         "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "1", "--train_batch_size", "2",
         "--num_inference_steps", "4", "--guidance_scale", "2", "--sde_window_size", "1",
         "--num_epochs", "2", "--filter_zero_advantage", "--report_to", "none",
