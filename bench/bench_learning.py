@@ -13,8 +13,9 @@ Ceilings, on the same held-out prompts, evaluation settings and noise:
 - best-of-K: the base model's mean over prompts of the best of K samples (K = group size,
   evaluation seeds 0..K-1): what picking the best sample of a group reaches without training;
 - supervised: the toy model fine-tuned by flow matching on rendered ground-truth scenes of the
-  train prompts (``scripts/pretrain_toy_model.py``'s loop, ``--supervised_steps``): what the
-  architecture reaches when it is shown the right answers.
+  train prompts (``scripts/pretrain_toy_model.py``'s loop, ``--supervised_steps``), scored every
+  ``--supervised_eval_every`` steps; the best score is the ceiling, and the curve shows whether the
+  fine-tune reached its plateau: what the architecture reaches when it is shown the right answers.
 
 ``--setting video`` checks that video learns too: a tiny random Wan (5 frames of 32x32) trained
 on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceilings).
@@ -97,7 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output_dir", type=str, default=None,
                         help="Runs, logs and learning_curves.png (default bench-output/learning-<setting>; a temporary folder with --quick).")
     parser.add_argument("--no_ceilings", action="store_true", help="Skip the best-of-K and supervised ceilings.")
-    parser.add_argument("--supervised_steps", type=int, default=None, help="Ceiling fine-tuning steps (600; 2 with --quick).")
+    parser.add_argument("--supervised_steps", type=int, default=None,
+                        help="Supervised ceiling: fine-tuning flow steps (1600; 2 with --quick).")
+    parser.add_argument("--supervised_eval_every", type=int, default=None,
+                        help="Supervised ceiling: evaluate every this many steps too, the ceiling is the best (400; 1 with --quick).")
     parser.add_argument("--base_model", type=str, default=None,
                         help="toy setting: another toy pipeline folder as the base (e.g. one pretrained longer by "
                              "scripts/pretrain_toy_model.py), for the runs and the ceilings; default: the shipped model.")
@@ -112,7 +116,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.setting != "toy" and (args.base_model or args.guidance_scale is not None):
         parser.error(f"--base_model and --guidance_scale apply to the toy setting, not to --setting {args.setting}.")
     args.seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
-    args.supervised_steps = args.supervised_steps or (2 if args.quick else 600)
+    args.supervised_steps = args.supervised_steps or (2 if args.quick else 1600)
+    args.supervised_eval_every = args.supervised_eval_every or (1 if args.quick else 400)
     args.output_dir = args.output_dir or (
         tempfile.mkdtemp(prefix="bench-learning-") if args.quick else os.path.join("bench-output", f"learning-{args.setting}")
     )
@@ -271,10 +276,12 @@ def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str
             "single_sample": statistics.fmean(per_seed[0])}
 
 
-def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None, model: str | None = None,
-                       guidance_scale: float | None = None) -> dict:
+def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple[int, int] | None = None,
+                       model: str | None = None, guidance_scale: float | None = None) -> dict:
     """The toy model (``model``, default the shipped one) fine-tuned on ground-truth scenes of
-    the train prompts, then evaluated."""
+    the train prompts for ``steps`` flow steps, evaluated every ``eval_every`` steps and at the
+    end; the ceiling is the best of these evaluations (a plateau shows the fine-tune was long
+    enough), ``curve`` holds them all as ``[step, score]``."""
     import numpy as np
     import torch
     from diffusers import StableDiffusion3Pipeline
@@ -288,16 +295,27 @@ def supervised_ceiling(steps: int, batches: tuple[int, int] | None = None, model
     pipe = StableDiffusion3Pipeline.from_pretrained(model or train_args.DEFAULT_MODEL)
     pipe.set_progress_bar_config(disable=True)
     options = pretrain.parse_args(["--steps", str(steps), "--learning_rate", "3e-4", "--warmup_steps", "0",
-                                   "--log_every", str(max(1, steps // 4))] + (["--batch_size", "8"] if steps < 10 else []))
+                                   "--log_every", str(max(1, steps // 4)), "--eval_every", str(eval_every or 0)]
+                                  + (["--batch_size", "8"] if steps < 10 else []))
     specs = [s for s in all_specs() if not is_test_combination(s)]
+    # No .to(): it would freeze the text encoders, which the fine-tune trains.
+    policy = policy_for_pipeline(pipe)
+    curve, eval_s = [], [0.0]
+
+    def score(step: int) -> None:
+        begin = time.perf_counter()
+        curve.append([step, statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale))])
+        eval_s[0] += time.perf_counter() - begin
+        print(f"  supervised step {step}: held-out toy_geneval {curve[-1][1]:.4f}", flush=True)
+
     torch.manual_seed(0)
     start = time.perf_counter()
-    pretrain.train_transformer(pipe, specs, options, np.random.default_rng(0))
-    seconds = time.perf_counter() - start
-    policy = policy_for_pipeline(pipe).to("cpu")
-    return {"bench": "learning", "ceiling": "supervised",
-            "score": statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale)),
-            "steps": steps, "train_s": seconds}
+    pretrain.train_transformer(pipe, specs, options, np.random.default_rng(0), progress=score)
+    seconds = time.perf_counter() - start - eval_s[0]
+    score(steps)
+    best = max(curve, key=lambda point: point[1])
+    return {"bench": "learning", "ceiling": "supervised", "score": best[1], "steps": best[0], "curve": curve,
+            "train_s": seconds}
 
 
 # ----- output -----------------------------------------------------------------------------------
@@ -363,7 +381,8 @@ def main(args) -> list[dict]:
     if not args.no_ceilings and args.setting != "video":
         group_size = 2 if args.quick else 8
         ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
-                    emit(supervised_ceiling(args.supervised_steps, args.ceiling_batches, args.base_model, args.guidance_scale))]
+                    emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
+                                                args.base_model, args.guidance_scale))]
         common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "train_s"], title="Ceilings")
     path = plot(curves, ceilings, os.path.join(args.output_dir, "learning_curves.png"), SCORES[args.setting])
     emit({"bench": "learning", "plot": path})

@@ -21,11 +21,13 @@ text_encoder_3), so the saved folder runs unchanged under
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
 import time
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -341,8 +343,12 @@ def sample_null_token_log_count(batch_size: int, generator: torch.Generator) -> 
     return torch.where(choice == 0, 0.0, torch.where(choice == 1, math.log(256), log_uniform))
 
 
-def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argparse.Namespace, rng: np.random.Generator) -> None:
-    """Rectified flow: loss = mean((v_theta(x_s, 1000 s, text) - (eps - x0))^2), s ~ logit-normal."""
+def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argparse.Namespace, rng: np.random.Generator,
+                      progress: Callable[[int], None] | None = None) -> None:
+    """Rectified flow: loss = mean((v_theta(x_s, 1000 s, text) - (eps - x0))^2), s ~ logit-normal.
+
+    Every ``args.eval_every`` flow steps (before the last) ``progress(step)`` runs, in sampling
+    mode (``sampling_mode``); by default it prints both splits' scores at CFG 2."""
     transformer, vae = pipe.transformer, pipe.vae
     text_encoders = [pipe.text_encoder, pipe.text_encoder_2]
     params = list(transformer.parameters()) + [p for te in text_encoders for p in te.parameters()]
@@ -386,7 +392,8 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
         if step % args.log_every == 0 or step == args.steps - 1:
             print(f"flow step {step:5d}  loss {running:.4f}  lr {scheduler.get_last_lr()[0]:.2e}  {time.time() - start:6.0f}s", flush=True)
         if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < args.steps:
-            print_progress_scores(pipe, args, step + 1)
+            with sampling_mode(pipe):
+                (progress or (lambda at: print_progress_scores(pipe, args, at)))(step + 1)
     transformer.set_attn_processor(JointAttnProcessor2_0())
     transformer.eval()
     for te in text_encoders:
@@ -396,22 +403,31 @@ def train_transformer(pipe: StableDiffusion3Pipeline, specs: list, args: argpars
 # ---------------------------------------------------------------------------- evaluation
 
 
-def print_progress_scores(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, step: int) -> None:
-    """Both splits at CFG 2 during training; the RNG streams of training are not touched."""
+@contextlib.contextmanager
+def sampling_mode(pipe: StableDiffusion3Pipeline) -> Iterator[None]:
+    """Mid-training sampling: eval mode and the pipeline's own attention inside, training mode and
+    the null-token attention after; the global torch RNG (training's stream) is left as it was."""
     modules = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
     for m in modules:
         m.eval()
     pipe.transformer.set_attn_processor(JointAttnProcessor2_0())
     pipe.set_progress_bar_config(disable=True)
-    train_prompts, test_prompts = prompt_splits()
     cpu_state = torch.random.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu_state)
+        pipe.transformer.set_attn_processor(NullTokenJointAttnProcessor())
+        for m in modules:
+            m.train()
+
+
+def print_progress_scores(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, step: int) -> None:
+    """Both splits at CFG 2 during training (called in ``sampling_mode``)."""
+    train_prompts, test_prompts = prompt_splits()
     for split, prompts in (("train", train_prompts), ("test", test_prompts)):
         scores = evaluate(pipe, evenly_spaced(prompts, args.eval_prompts), 2.0, args.eval_steps)
         print(f"  step {step} cfg 2 {split:5s}: " + "  ".join(f"{k} {v:.3f}" for k, v in scores.items()), flush=True)
-    torch.random.set_rng_state(cpu_state)
-    pipe.transformer.set_attn_processor(NullTokenJointAttnProcessor())
-    for m in modules:
-        m.train()
 
 
 @torch.no_grad()

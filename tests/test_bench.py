@@ -206,6 +206,11 @@ def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
     ceilings = {f["ceiling"]: f for f in figures if "ceiling" in f}
     assert set(ceilings) == {"best_of_2", "supervised"}
     assert ceilings["best_of_2"]["score"] >= ceilings["best_of_2"]["single_sample"]
+    # The supervised fine-tune is scored during training (step 1) and at its end (step 2); the ceiling is the best.
+    supervised = ceilings["supervised"]
+    assert [step for step, _ in supervised["curve"]] == [1, 2]
+    assert supervised["score"] == max(score for _, score in supervised["curve"])
+    assert [supervised["steps"], supervised["score"]] in supervised["curve"]
     plot = next(f["plot"] for f in figures if "plot" in f)
     assert os.path.getsize(plot) > 0
 
