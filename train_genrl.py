@@ -189,6 +189,7 @@ def main(args):
         kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
         grpo_guard_reweight=args.grpo_guard_reweight,
         sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
+        timestep_range=tuple(args.timestep_range) if args.timestep_range else None,
     )
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,

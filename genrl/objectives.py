@@ -116,21 +116,27 @@ def draw_forward_batch(
     *,
     seed: int,
     epoch: int,
+    step_range: tuple[int, int] | None = None,
 ) -> ForwardBatch:
     """For every sample of ``rollout``, ``num_timesteps`` distinct steps of the sampling
     schedule (``schedule_timesteps`` ``(T,)``, ``schedule_sigmas`` ``(T + 1,)``, the final 0
     excluded) and one noise draw per step, from the sample's own forward generator: the draws
-    depend on (seed, epoch, prompt, index in its group) alone, not on the batch layout."""
+    depend on (seed, epoch, prompt, index in its group) alone, not on the batch layout.
+
+    ``step_range`` = (lo, hi) draws from the steps lo..hi-1 only (0 is the noisiest); None: all T."""
     num_steps = schedule_timesteps.numel()
-    if not 1 <= num_timesteps <= num_steps:
-        raise ValueError(f"num_timesteps must be between 1 and the {num_steps} sampling steps, got {num_timesteps}.")
+    lo, hi = (0, num_steps) if step_range is None else step_range
+    if not 0 <= lo < hi <= num_steps:
+        raise ValueError(f"step_range must satisfy 0 <= lo < hi <= {num_steps} (the sampling steps), got {step_range}.")
+    if not 1 <= num_timesteps <= hi - lo:
+        raise ValueError(f"num_timesteps must be between 1 and the {hi - lo} steps it is drawn from, got {num_timesteps}.")
     if rollout.final_latents is None:
         raise ValueError("The rollout kept no final latents; sample it with genrl.rollout.sample_rollout.")
     clean = rollout.final_latents.float()
     steps, noise = [], []
     for prompt, index in zip(rollout.prompts, rollout.group_indices):
         generator = forward_generator(prompt, seed, epoch, index)
-        steps.append(torch.randperm(num_steps, generator=generator)[:num_timesteps])
+        steps.append(lo + torch.randperm(hi - lo, generator=generator)[:num_timesteps])
         noise.append(torch.randn((num_timesteps, *clean.shape[1:]), generator=generator))
     steps = torch.stack(steps).to(schedule_timesteps.device)
     noise = torch.stack(noise).to(clean.device)

@@ -65,6 +65,27 @@ def test_forward_batch_draws_depend_on_the_sample_not_the_batch(policies):
         draw_forward_batch(rollout, *schedule, 5, seed=0, epoch=1)
 
 
+def test_forward_batch_step_range_draws_only_the_noisier_steps(policies):
+    """--timestep_range 0 2 of 4 steps: every sample trains at both of the two noisiest steps
+    (a shuffle of them), never at the quieter two; the full range is the default draw."""
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    sigmas = schedule[1]
+    noisiest = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1, step_range=(0, 2))
+    for row in noisiest.sigmas.tolist():
+        assert sorted(row, reverse=True) == sigmas[:2].tolist()
+    quieter = draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, step_range=(2, 4))
+    assert set(quieter.sigmas.flatten().tolist()) <= set(sigmas[2:4].tolist())
+    whole = draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1)
+    assert torch.equal(draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, step_range=(0, 4)).sigmas, whole.sigmas)
+    for bad in ((2, 2), (0, 5), (-1, 3)):
+        with pytest.raises(ValueError, match="step_range"):
+            draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, step_range=bad)
+    with pytest.raises(ValueError, match="num_timesteps"):
+        draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, step_range=(0, 2))
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, policies):
     """fill_old_velocity and forward_step_loss must ask for the same (conditional) velocity:
