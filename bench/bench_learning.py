@@ -318,6 +318,33 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
             "train_s": seconds}
 
 
+def video_reward_reach(model: str, num_samples: int = 32) -> dict:
+    """How far any policy could move the video setting's reward: temporal_smoothness of the
+    tiny Wan's decodes of ``num_samples`` standard-normal latents (what sampling from noise
+    gives, roughly), of the same latents with every latent frame equal to the first (no motion
+    in latent space), and of all-zero latents. If the three agree within the samples' spread,
+    the VAE, not the transformer, decides the reward."""
+    import torch
+    from genrl.policies import load_policy
+    from genrl.rewards import build_reward_fn
+
+    policy = load_policy(model).to("cpu")
+    reward = build_reward_fn("temporal_smoothness")
+    height, width, frames = policy.resolve_size(None, None, None)
+    latents = torch.randn((num_samples, *policy.latent_shape(height, width, frames)), generator=torch.Generator().manual_seed(0))
+    still = latents.clone()
+    still[:, :, 1:] = latents[:, :, :1]  # (B, C, F, H, W): every latent frame a copy of the first
+
+    def score(z: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return reward(policy.decode(z), [""] * len(z), None)["temporal_smoothness"]
+
+    noise = score(latents)
+    return {"bench": "learning", "reach": "temporal_smoothness", "noise_latents_mean": float(noise.mean()),
+            "noise_latents_std": float(noise.std()), "still_latents_mean": float(score(still).mean()),
+            "zero_latents": float(score(torch.zeros_like(latents[:1]))[0])}
+
+
 # ----- output -----------------------------------------------------------------------------------
 
 
@@ -384,6 +411,10 @@ def main(args) -> list[dict]:
                     emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
                                                 args.base_model, args.guidance_scale))]
         common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "train_s"], title="Ceilings")
+    if args.setting == "video":
+        reach = emit(video_reward_reach(base[base.index("--pretrained_model_name_or_path") + 1]))
+        common.print_table([reach], ["noise_latents_mean", "noise_latents_std", "still_latents_mean", "zero_latents"],
+                           title="What the tiny Wan's VAE leaves to the policy (temporal_smoothness of decoded latents)")
     path = plot(curves, ceilings, os.path.join(args.output_dir, "learning_curves.png"), SCORES[args.setting])
     emit({"bench": "learning", "plot": path})
     return rows + ceilings

@@ -281,3 +281,16 @@ def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_
     assert bench_learning.setting_args("toy", str(tmp_path)) == []  # the shipped model: the no-argument run itself
     with pytest.raises(SystemExit):
         bench_learning.parse_args(["--setting", "video", "--base_model", other])
+
+
+def test_video_reach_scores_real_decodes_of_the_tiny_wan(tmp_path):
+    """The video setting's diagnostic decodes latents through the tiny Wan's VAE and scores them
+    with the reward the setting trains: finite smoothness values in [-1, 0] that vary between
+    noise latents (so they are real decodes, not a constant)."""
+    import bench_learning
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
+
+    reach = bench_learning.video_reward_reach(save_tiny_pipeline("wan", tmp_path / "tiny-wan"), num_samples=4)
+    values = [reach[k] for k in ("noise_latents_mean", "still_latents_mean", "zero_latents")]
+    assert all(-1 <= v <= 0 for v in values)
+    assert reach["noise_latents_std"] > 0
