@@ -45,7 +45,7 @@ from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
-from genrl.objectives import reference_model
+from genrl.objectives import check_sigma_range_holds, reference_model
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.redact import redact_argv
@@ -145,6 +145,8 @@ def main(args):
         float32=args.use_lora or accelerator.mixed_precision == "fp16", seed=args.seed,
     )
     sampling, eval_sampling = sampling_configs(args)
+    if args.train_sigma_range:  # too few steps in the range: one sentence now, not after the first rollout
+        check_sigma_range_holds(policy, sampling, n_train_steps, tuple(args.train_sigma_range))
     # Speed levers (--attention_backend, --compile) on the trained transformer and the frozen copy,
     # after the LoRA set-up; the FLOPs of one sequence through it are counted first, on the bare
     # module, and the tally counts the sequences each epoch sends through it (perf/* metrics).
@@ -189,7 +191,7 @@ def main(args):
         kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
         grpo_guard_reweight=args.grpo_guard_reweight,
         sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
-        timestep_range=tuple(args.timestep_range) if args.timestep_range else None,
+        train_sigma_range=tuple(args.train_sigma_range) if args.train_sigma_range else None,
     )
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,

@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from genrl.errors import SetupError
 from genrl.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio
 from genrl.nft import awm_loss, forward_noise, nft_loss, velocity_kl
 from genrl.policies.base import FlowPolicy, unwrap_module
@@ -108,6 +109,38 @@ class ForwardBatch:
         return self.sigmas.shape[1]
 
 
+def steps_in_sigma_range(sigmas: torch.Tensor, sigma_range: tuple[float, float] | None) -> torch.Tensor:
+    """The sampling steps i (of T) whose sigma_i lies in [lo, hi] of ``sigma_range``, ``(k,)``
+    int64 in schedule order; None: all T. ``sigmas`` is the schedule's ``(T + 1,)``, final 0 last."""
+    num_steps = sigmas.numel() - 1
+    if sigma_range is None:
+        return torch.arange(num_steps)
+    lo, hi = sigma_range
+    if not 0 <= lo < hi <= 1:
+        raise ValueError(f"sigma_range must satisfy 0 <= lo < hi <= 1, got {sigma_range}.")
+    inside = (sigmas[:-1] >= lo) & (sigmas[:-1] <= hi)
+    return torch.nonzero(inside.cpu()).flatten()
+
+
+def check_sigma_range_holds(
+    policy: FlowPolicy, config: SamplingConfig, num_timesteps: int, sigma_range: tuple[float, float]
+) -> None:
+    """Start-up check of ``--train_sigma_range``: the rollouts' schedule (its size decides a
+    dynamic shift) must have at least ``num_timesteps`` steps with sigma in the range, else one
+    sentence (``SetupError``) before any rollout."""
+    size = policy.resolve_size(config.height, config.width, config.num_frames)
+    latents = torch.zeros((1, *policy.latent_shape(*size)))
+    sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, "cpu")[1]
+    inside = steps_in_sigma_range(sigmas, sigma_range)
+    if len(inside) < num_timesteps:
+        shown = ", ".join(f"{v:.3f}" for v in sigmas[:-1].tolist())
+        raise SetupError(
+            f"--train_sigma_range {sigma_range[0]} {sigma_range[1]} holds {len(inside)} of the {len(sigmas) - 1} sampling "
+            f"steps (sigmas {shown}), fewer than the {num_timesteps} trained timesteps per sample; widen the range or "
+            "lower --timestep_fraction."
+        )
+
+
 def draw_forward_batch(
     rollout: Rollout,
     schedule_timesteps: torch.Tensor,
@@ -116,27 +149,27 @@ def draw_forward_batch(
     *,
     seed: int,
     epoch: int,
-    step_range: tuple[int, int] | None = None,
+    sigma_range: tuple[float, float] | None = None,
 ) -> ForwardBatch:
     """For every sample of ``rollout``, ``num_timesteps`` distinct steps of the sampling
     schedule (``schedule_timesteps`` ``(T,)``, ``schedule_sigmas`` ``(T + 1,)``, the final 0
     excluded) and one noise draw per step, from the sample's own forward generator: the draws
     depend on (seed, epoch, prompt, index in its group) alone, not on the batch layout.
 
-    ``step_range`` = (lo, hi) draws from the steps lo..hi-1 only (0 is the noisiest); None: all T."""
-    num_steps = schedule_timesteps.numel()
-    lo, hi = (0, num_steps) if step_range is None else step_range
-    if not 0 <= lo < hi <= num_steps:
-        raise ValueError(f"step_range must satisfy 0 <= lo < hi <= {num_steps} (the sampling steps), got {step_range}.")
-    if not 1 <= num_timesteps <= hi - lo:
-        raise ValueError(f"num_timesteps must be between 1 and the {hi - lo} steps it is drawn from, got {num_timesteps}.")
+    ``sigma_range`` = (lo, hi) draws among the steps whose sigma lies in [lo, hi] only
+    (``steps_in_sigma_range``); None: among all T."""
+    candidates = steps_in_sigma_range(schedule_sigmas, sigma_range)
+    if not 1 <= num_timesteps <= len(candidates):
+        raise ValueError(
+            f"num_timesteps must be between 1 and the {len(candidates)} sampling steps it is drawn from, got {num_timesteps}."
+        )
     if rollout.final_latents is None:
         raise ValueError("The rollout kept no final latents; sample it with genrl.rollout.sample_rollout.")
     clean = rollout.final_latents.float()
     steps, noise = [], []
     for prompt, index in zip(rollout.prompts, rollout.group_indices):
         generator = forward_generator(prompt, seed, epoch, index)
-        steps.append(lo + torch.randperm(hi - lo, generator=generator)[:num_timesteps])
+        steps.append(candidates[torch.randperm(len(candidates), generator=generator)[:num_timesteps]])
         noise.append(torch.randn((num_timesteps, *clean.shape[1:]), generator=generator))
     steps = torch.stack(steps).to(schedule_timesteps.device)
     noise = torch.stack(noise).to(clean.device)

@@ -196,9 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--timestep_fraction", type=float, default=1.0,
                        help="Fraction of the timesteps trained on per sample: of the stochastic steps (grpo), "
                             "of the sampling steps (nft, awm).")
-    group.add_argument("--timestep_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
-                       help="nft, awm: draw the trained timesteps from the sampling steps LO..HI-1 only (0: the noisiest, "
-                            "where a sample's layout is decided); default: every step. GRPO's counterpart is --sde_window_range.")
+    group.add_argument("--train_sigma_range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+                       help="nft, awm: draw the trained timesteps among the sampling steps whose noise level sigma lies in "
+                            "[LO, HI] (1: pure noise, where a sample's layout is decided; 0: clean); default: every step. "
+                            "GRPO's counterpart is --sde_window_range.")
     group.add_argument("--no_timestep_shuffle", action="store_true", help="GRPO: train on the first steps, in order.")
     group.add_argument("--clip_range", type=float, default=1e-3, help="PPO clip range of the probability ratio.")
     group.add_argument("--adv_clip_max", type=float, default=5.0, help="Advantages are clipped to [-this, this].")
@@ -408,23 +409,15 @@ def validate_args(args) -> None:
             "--sampling_policy_decay_rate soft-updates the sampling policy of --objective nft or awm; GRPO samples "
             "from the trained weights (its ratio's old policy is the rollout's)."
         )
-    if args.timestep_range is not None:
-        lo, hi = args.timestep_range
+    if args.train_sigma_range is not None:
+        lo, hi = args.train_sigma_range
         if args.objective == "grpo":
             raise ValueError(
-                "--timestep_range chooses the re-noised timesteps of --objective nft or awm; GRPO trains on its recorded "
+                "--train_sigma_range chooses the re-noised timesteps of --objective nft or awm; GRPO trains on its recorded "
                 "SDE steps (choose them with --sde_window_size and --sde_window_range)."
             )
-        if not 0 <= lo < hi <= args.num_inference_steps:
-            raise ValueError(
-                f"--timestep_range {lo} {hi} must satisfy 0 <= LO < HI <= --num_inference_steps ({args.num_inference_steps})."
-            )
-        if num_trained_timesteps(args) > hi - lo:
-            raise ValueError(
-                f"--timestep_range {lo} {hi} holds {hi - lo} sampling steps, fewer than the {num_trained_timesteps(args)} "
-                f"trained timesteps per sample (--timestep_fraction {args.timestep_fraction} of {args.num_inference_steps}); "
-                "widen the range or lower the fraction."
-            )
+        if not 0 <= lo < hi <= 1:
+            raise ValueError(f"--train_sigma_range {lo} {hi} must satisfy 0 <= LO < HI <= 1 (noise levels, 1: pure noise).")
     if args.objective == "nft" and not args.nft_beta > 0:
         raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
     if args.vae_decode_batch_size < 1:

@@ -44,8 +44,8 @@ class UpdateConfig:
     num_inner_epochs: passes over the epoch's kept samples.
     timestep_fraction, shuffle_timesteps: GRPO's choice of recorded steps per sample.
     num_inference_steps: the sampling schedule the forward process draws from (nft, awm).
-    timestep_range: (lo, hi): nft and awm draw their trained timesteps from the sampling steps
-        lo..hi-1 only (None: all of them).
+    train_sigma_range: (lo, hi): nft and awm draw their trained timesteps among the sampling
+        steps whose sigma lies in [lo, hi] (None: all of them).
     max_train_steps: stop when the global step reaches it (None: never).
     guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
         train the conditional velocity).
@@ -73,7 +73,7 @@ class UpdateConfig:
     grpo_guard_reweight: bool = False
     sampling_decay_rate: float = 0.0
     sampling_decay_max: float = 0.5
-    timestep_range: tuple[int, int] | None = None
+    train_sigma_range: tuple[float, float] | None = None
 
 
 @dataclass
@@ -150,7 +150,7 @@ def prepare_forward_batch(
     the micro batches the update will visit (the same forwards on every rank)."""
     schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, device)
     batch = draw_forward_batch(
-        rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch, step_range=config.timestep_range
+        rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch, sigma_range=config.train_sigma_range
     )
     if config.objective == "nft":  # the sampling policy's velocities, before the weights move
         model.eval()

@@ -72,14 +72,11 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     (["--grpo_guard_reweight", "--objective", "nft"],
      "--grpo_guard_reweight weights GRPO's flow_sde steps by 1 / (T dt); it does not apply to --objective nft with "
      "--sde_type flow_sde (use --objective grpo --sde_type flow_sde, or drop it)."),
-    (["--timestep_range", "0", "2"],
-     "--timestep_range chooses the re-noised timesteps of --objective nft or awm; GRPO trains on its recorded SDE steps "
-     "(choose them with --sde_window_size and --sde_window_range)."),
-    (["--objective", "nft", "--timestep_range", "2", "5"],
-     "--timestep_range 2 5 must satisfy 0 <= LO < HI <= --num_inference_steps (4)."),
-    (["--objective", "awm", "--timestep_range", "1", "2", "--timestep_fraction", "0.5"],
-     "--timestep_range 1 2 holds 1 sampling steps, fewer than the 2 trained timesteps per sample (--timestep_fraction "
-     "0.5 of 4); widen the range or lower the fraction."),
+    (["--train_sigma_range", "0.5", "1"],
+     "--train_sigma_range chooses the re-noised timesteps of --objective nft or awm; GRPO trains on its recorded SDE "
+     "steps (choose them with --sde_window_size and --sde_window_range)."),
+    (["--objective", "nft", "--train_sigma_range", "0.5", "1.5"],
+     "--train_sigma_range 0.5 1.5 must satisfy 0 <= LO < HI <= 1 (noise levels, 1: pure noise)."),
 ])
 def test_sampling_without_a_usable_stochastic_step_is_refused(tiny_sd3, prompt_file, tmp_path, capsys, extra, expected):
     assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == expected

@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from genrl.nft import awm_loss, forward_noise
+from genrl.errors import SetupError
 from genrl.objectives import (
+    check_sigma_range_holds,
     draw_forward_batch,
     fill_old_velocity,
     forward_step_loss,
     grpo_step_loss,
     reference_model,
+    steps_in_sigma_range,
 )
 from genrl.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
 from genrl.testing.tiny_pipelines import FAMILIES, build_tiny_policy
@@ -65,25 +68,37 @@ def test_forward_batch_draws_depend_on_the_sample_not_the_batch(policies):
         draw_forward_batch(rollout, *schedule, 5, seed=0, epoch=1)
 
 
-def test_forward_batch_step_range_draws_only_the_noisier_steps(policies):
-    """--timestep_range 0 2 of 4 steps: every sample trains at both of the two noisiest steps
-    (a shuffle of them), never at the quieter two; the full range is the default draw."""
+def test_forward_batch_sigma_range_draws_only_the_steps_inside_it(policies):
+    """--train_sigma_range keeps the draws among the steps whose sigma lies in [lo, hi]: with a
+    range holding the two noisiest of 4 steps every sample trains at both, never at the others;
+    a range holding all steps draws what no range draws."""
     policy = policies["sd3"]
     rollout, config = _rollout(policy)
     schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
-    sigmas = schedule[1]
-    noisiest = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1, step_range=(0, 2))
+    sigmas = schedule[1]  # (5,): 4 steps from 1 down, then 0
+    noisy_half = (float(sigmas[1]) - 1e-4, 1.0)
+    assert steps_in_sigma_range(sigmas, noisy_half).tolist() == [0, 1]
+    noisiest = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1, sigma_range=noisy_half)
     for row in noisiest.sigmas.tolist():
         assert sorted(row, reverse=True) == sigmas[:2].tolist()
-    quieter = draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, step_range=(2, 4))
-    assert set(quieter.sigmas.flatten().tolist()) <= set(sigmas[2:4].tolist())
+    quiet = draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, sigma_range=(0.0, float(sigmas[2]) + 1e-4))
+    assert set(quiet.sigmas.flatten().tolist()) <= set(sigmas[2:4].tolist())
     whole = draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1)
-    assert torch.equal(draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, step_range=(0, 4)).sigmas, whole.sigmas)
-    for bad in ((2, 2), (0, 5), (-1, 3)):
-        with pytest.raises(ValueError, match="step_range"):
-            draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, step_range=bad)
+    assert torch.equal(draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, sigma_range=(0.0, 1.0)).sigmas, whole.sigmas)
+    with pytest.raises(ValueError, match="sigma_range"):
+        draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1, sigma_range=(0.5, 0.5))
     with pytest.raises(ValueError, match="num_timesteps"):
-        draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, step_range=(0, 2))
+        draw_forward_batch(rollout, *schedule, 3, seed=0, epoch=1, sigma_range=noisy_half)
+
+
+def test_a_sigma_range_too_narrow_for_the_schedule_is_one_sentence_at_start_up(policies):
+    policy = policies["sd3"]
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=1.0, noise_level=0.0)
+    check_sigma_range_holds(policy, config, 2, (0.5, 1.0))  # sigmas 1, 0.75, 0.5, 0.25 (tiny SD3, no shift)
+    with pytest.raises(SetupError) as failure:
+        check_sigma_range_holds(policy, config, 2, (0.9, 1.0))
+    assert str(failure.value).startswith("--train_sigma_range 0.9 1.0 holds 1 of the 4 sampling steps (sigmas 1.000, ")
+    assert str(failure.value).endswith("fewer than the 2 trained timesteps per sample; widen the range or lower --timestep_fraction.")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

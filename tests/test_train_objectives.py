@@ -36,8 +36,10 @@ def train_lines(output_dir: str) -> list[dict]:
 
 def test_nft_with_lora_and_kl_trains_in_one_process(tiny_sd3, prompt_file, tmp_path):
     out = str(tmp_path / "nft-lora")
+    # The noisier 3 of the 4 sampling steps (sigmas 1, 0.75, 0.5, 0.25) as the no-argument run's range does.
     run_script("train_genrl.py", objective_args(tiny_sd3, prompt_file, out, "nft", "--use_lora", "--rank", "4",
-                                                "--lora_alpha", "4", "--beta", "0.01"), config="single_gpu")
+                                                "--lora_alpha", "4", "--beta", "0.01", "--train_sigma_range", "0.4", "1"),
+               config="single_gpu")
     lines = train_lines(out)
     # 4 samples x 2 timesteps in micro batches of 2: 4 backward passes, 2 to an optimizer step.
     assert [l["step"] for l in lines] == [2, 4]
