@@ -116,6 +116,8 @@ def print_machine(device: str | torch.device = "cpu", note: str | None = None) -
 def _round(value: Any) -> Any:
     if isinstance(value, float):
         return float(f"{value:.4g}")
+    if isinstance(value, (list, tuple)):  # curves: the floats inside too
+        return [_round(v) for v in value]
     return value
 
 
