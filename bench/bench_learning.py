@@ -20,7 +20,7 @@ Ceilings, on the same held-out prompts, evaluation settings and noise:
 ``--setting video`` checks that video learns too: a tiny random Wan (5 frames of 32x32) trained
 on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceilings).
 
-    python bench/bench_learning.py                                # grpo, nft, awm x seeds 0 1 2 (~1.5 h on 2 cores)
+    python bench/bench_learning.py                                # grpo, nft, awm x seeds 0 1 2 (~2 h on 2 cores)
     python bench/bench_learning.py --objectives nft --seeds 0 1 2 --max_train_steps 60
     python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~10 min)
     python bench/bench_learning.py --objectives grpo --extra=--grpo_guard   # an option of one objective
