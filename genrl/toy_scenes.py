@@ -245,12 +245,17 @@ def render_scene(spec: SceneSpec, rng: np.random.Generator, resolution: int = 32
     """
     if resolution < 16:
         raise ValueError(f"resolution must be at least 16 pixels, got {resolution}.")
+    return _render_boxes(spec, _place(spec, rng, resolution), resolution)
+
+
+def _render_boxes(spec: SceneSpec, boxes: list[tuple[float, float, float]], resolution: int) -> np.ndarray:
+    """``spec``'s objects drawn in ``boxes`` (one per copy, in order) at 4x, area-downsampled."""
     supersample = 4
     canvas = np.full((resolution * supersample, resolution * supersample, 3), BACKGROUND, dtype=np.uint8)
-    boxes = iter(_place(spec, rng, resolution))
+    drawn = iter(boxes)
     for obj in spec.objects:
         for _ in range(obj.count):
-            _draw(canvas, obj.shape, next(boxes), COLORS[obj.color], supersample)
+            _draw(canvas, obj.shape, next(drawn), COLORS[obj.color], supersample)
     return cv2.resize(canvas, (resolution, resolution), interpolation=cv2.INTER_AREA)
 
 
@@ -268,3 +273,27 @@ def sample_scene(
     pool = counts if (counts and (not positions or rng.random() < count_fraction)) else positions
     spec = pool[int(rng.integers(len(pool)))]
     return render_scene(spec, rng, resolution), spec
+
+
+def render_clip(
+    spec: SceneSpec, rng: np.random.Generator, num_frames: int, resolution: int = 32, max_speed: float = 0.08,
+    jumpy: bool = False,
+) -> np.ndarray:
+    """A clip of ``spec``: uint8 RGB frames of shape (F, H, W, 3).
+
+    Smooth: each object starts where ``render_scene`` would place it and drifts at a constant
+    random velocity of up to ``max_speed`` * resolution pixels a frame (it may leave the frame
+    in part). Jumpy: every frame is a fresh placement, so consecutive frames differ as much as
+    two scenes do. A video VAE trained on both learns to draw motion and its absence.
+    """
+    if num_frames < 1:
+        raise ValueError(f"num_frames must be at least 1, got {num_frames}.")
+    if resolution < 16:
+        raise ValueError(f"resolution must be at least 16 pixels, got {resolution}.")
+    start = _place(spec, rng, resolution)
+    velocity = rng.uniform(-max_speed, max_speed, size=(len(start), 2)) * resolution
+    frames = []
+    for f in range(num_frames):
+        boxes = _place(spec, rng, resolution) if jumpy and f else [(x + vx * f, y + vy * f, side) for (x, y, side), (vx, vy) in zip(start, velocity)]
+        frames.append(_render_boxes(spec, boxes, resolution))
+    return np.stack(frames)

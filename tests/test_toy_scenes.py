@@ -14,6 +14,7 @@ from genrl.toy_scenes import (
     parse_caption,
     prompt_splits,
     relation_holds,
+    render_clip,
     render_scene,
     sample_scene,
     vocabulary,
@@ -72,6 +73,26 @@ def test_renderer_is_deterministic_and_seed_dependent():
     image, drawn = sample_scene(np.random.default_rng(3), resolution=48)
     again, drawn_again = sample_scene(np.random.default_rng(3), resolution=48)
     assert image.shape == (48, 48, 3) and drawn == drawn_again and np.array_equal(image, again)
+
+
+def test_clips_start_from_the_scene_and_move_smoothly_or_jump():
+    spec = parse_caption("a red circle left of a blue square")
+    smooth = render_clip(spec, np.random.default_rng(5), num_frames=5)
+    assert smooth.dtype == np.uint8 and smooth.shape == (5, 32, 32, 3)
+    # Frame 0 is the scene render_scene places from the same generator state.
+    assert np.array_equal(smooth[0], render_scene(spec, np.random.default_rng(5)))
+    still = render_clip(spec, np.random.default_rng(5), num_frames=5, max_speed=0.0)
+    assert all(np.array_equal(frame, still[0]) for frame in still)
+
+    def step_change(clip):
+        return np.abs(np.diff(clip.astype(float), axis=0)).mean()
+
+    rngs = [np.random.default_rng(s) for s in range(8)]
+    moving = [step_change(render_clip(spec, r, 5)) for r in rngs]
+    jumping = [step_change(render_clip(spec, r, 5, jumpy=True)) for r in rngs]
+    assert 0 < np.mean(moving) < np.mean(jumping) / 2
+    with pytest.raises(ValueError, match="num_frames"):
+        render_clip(spec, np.random.default_rng(0), num_frames=0)
 
 
 def test_renderer_draws_only_the_named_colours_on_white():
