@@ -17,12 +17,15 @@ Ceilings, on the same held-out prompts, evaluation settings and noise:
   ``--supervised_eval_every`` steps; the best score is the ceiling, and the curve shows whether the
   fine-tune reached its plateau: what the architecture reaches when it is shown the right answers.
 
-``--setting video`` checks that video learns too: a tiny random Wan (5 frames of 32x32) trained
-on ``temporal_smoothness`` over six prompts, evaluated on two others (no ceilings).
+``--setting video`` checks that video learns too: the tiny Wan (5 frames of 32x32, random
+transformer) with a VAE first trained on toy clips (``genrl.testing.toy_video``, so that what
+the transformer samples decides what the clips look like), trained on ``temporal_smoothness``
+over the toy train prompts and evaluated on the 16 first held-out ones (no ceilings; instead, how
+smooth decodes of noise, still and mean latents are: the room the VAE leaves the policy).
 
     python bench/bench_learning.py                                # grpo, nft, awm x seeds 0 1 2 (~2 h on 2 cores)
     python bench/bench_learning.py --objectives nft --seeds 0 1 2 --max_train_steps 60
-    python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~10 min)
+    python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~20 min)
     python bench/bench_learning.py --objectives grpo --extra=--grpo_guard   # an option of one objective
     python bench/bench_learning.py --objectives nft --base_model /tmp/toy6k --guidance_scale 1   # another base, CFG-free
     python bench/bench_learning.py --quick                        # CI: tiny random model, 2 steps, one seed
@@ -108,6 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--guidance_scale", type=float, default=None,
                         help="toy setting: sampling and evaluation CFG scale of the runs and the ceilings (1: CFG-free); "
                              "default: the no-argument run's.")
+    parser.add_argument("--video_vae_steps", type=int, default=800,
+                        help="video setting: steps of the tiny Wan VAE's training on toy clips (genrl.testing.toy_video).")
     parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string "
                         "(write --extra=--grpo_guard when it starts with a dash and has no space).")
     args = parser.parse_args(argv)
@@ -136,25 +141,30 @@ def _write_prompts(path: str, prompts) -> str:
 
 
 def setting_args(setting: str, workdir: str, base_model: str | None = None,
-                 guidance_scale: float | None = None) -> list[str]:
+                 guidance_scale: float | None = None, video_vae_steps: int = 800) -> list[str]:
     """train_genrl.py arguments of a setting, on top of the no-argument run's (toy: on
-    ``base_model`` when given, at ``guidance_scale`` when given)."""
+    ``base_model`` when given, at ``guidance_scale`` when given; video: on the tiny Wan with a
+    VAE trained ``video_vae_steps`` steps on toy clips, ``genrl.testing.toy_video``)."""
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     if setting == "toy":
         flags = toy_run_args(base_model) if base_model else []
         return flags + (["--guidance_scale", str(guidance_scale)] if guidance_scale is not None else [])
     if setting == "video":
-        model = save_tiny_pipeline("wan", os.path.join(workdir, "tiny-wan"), seed=0)
-        train = _write_prompts(os.path.join(workdir, "train.txt"), common.PROMPTS[:6])
-        held_out = _write_prompts(os.path.join(workdir, "held_out.txt"), common.PROMPTS[6:])
+        from genrl.testing.toy_video import save_toy_video_pipeline
+        from genrl.train_args import DEFAULT_EVAL_PROMPTS, DEFAULT_TRAIN_PROMPTS
+
+        model, figures = save_toy_video_pipeline(os.path.join(workdir, "toy-wan"), video_vae_steps)
+        emit({"bench": "learning", "video_vae": "toy clips", "steps": video_vae_steps, **figures})
+        # The toy world's prompt split: 16 held-out prompts, one clip each, at every evaluation.
         return [
-            "--pretrained_model_name_or_path", model, "--prompt_dataset", train, "--eval_prompt_dataset", held_out,
-            "--reward_fn", "temporal_smoothness", "--eval_reward_fn", "temporal_smoothness", "--group_size", "4",
-            "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "1", "--train_batch_size", "4",
-            "--gradient_accumulation_steps", "1", "--num_inference_steps", "8", "--guidance_scale", "1.0",
-            "--learning_rate", "1e-3", "--max_train_steps", "40", "--eval_steps", "5", "--eval_batch_size", "2",
-            "--eval_max_batches", "1",
+            "--pretrained_model_name_or_path", model, "--prompt_dataset", DEFAULT_TRAIN_PROMPTS,
+            "--eval_prompt_dataset", DEFAULT_EVAL_PROMPTS, "--reward_fn", "temporal_smoothness",
+            "--eval_reward_fn", "temporal_smoothness", "--group_size", "4", "--rollout_batch_size", "16",
+            "--rollout_batches_per_epoch", "1", "--train_batch_size", "8", "--gradient_accumulation_steps", "2",
+            "--num_inference_steps", "8", "--guidance_scale", "1.0", "--learning_rate", "1e-3",
+            "--max_train_steps", "60", "--eval_steps", "5", "--eval_batch_size", "8", "--eval_max_batches", "2",
+            "--eval_diversity_prompts", "0",
         ]
     # quick: a tiny random SD3 model and four prompts, the same code path in seconds (CI).
     model = save_tiny_pipeline("sd3", os.path.join(workdir, "tiny-sd3"), seed=0)
@@ -385,7 +395,7 @@ def main(args) -> list[dict]:
     common.print_machine("cpu", note=f"{args.jobs} runs at a time")
     os.makedirs(args.output_dir, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="bench-learning-")
-    base = setting_args(args.setting, workdir, args.base_model, args.guidance_scale)
+    base = setting_args(args.setting, workdir, args.base_model, args.guidance_scale, args.video_vae_steps)
     if args.quick:
         args.max_train_steps = args.max_train_steps or 2
         args.eval_steps = args.eval_steps or 1

@@ -283,6 +283,25 @@ def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_
         bench_learning.parse_args(["--setting", "video", "--base_model", other])
 
 
+def test_video_setting_trains_every_objective_on_the_toy_wan_and_the_toy_split(tmp_path):
+    """The video setting's model is the tiny Wan with a trained toy-clip VAE (its latent statistics
+    set), and every objective's flags parse with it into a temporal_smoothness run on the toy
+    world's train prompts, evaluated on its held-out ones."""
+    import bench_learning
+    from diffusers import AutoencoderKLWan
+    from genrl import train_args
+
+    flags = bench_learning.setting_args("video", str(tmp_path), video_vae_steps=2)
+    model = flags[flags.index("--pretrained_model_name_or_path") + 1]
+    vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae")
+    assert vae.config.base_dim == 8 and len(vae.config.latents_std) == vae.config.z_dim
+    for objective in bench_learning.OBJECTIVES:
+        args = train_args.parse_args(bench_learning.objective_args(objective) + flags + ["--output_dir", str(tmp_path / "out")])
+        assert (args.objective, args.reward_fn, args.eval_reward_fn) == (objective, "temporal_smoothness", "temporal_smoothness")
+        assert (args.prompt_dataset, args.eval_prompt_dataset) == (train_args.DEFAULT_TRAIN_PROMPTS, train_args.DEFAULT_EVAL_PROMPTS)
+        assert args.learning_rate == 1e-3 and args.max_train_steps == 60
+
+
 def test_video_reach_scores_real_decodes_of_the_tiny_wan(tmp_path):
     """The video setting's diagnostic decodes latents through the tiny Wan's VAE and scores them
     with the reward the setting trains: finite smoothness values in [-1, 0] that vary between
