@@ -268,9 +268,14 @@ def save_tiny_pipeline(family: str, path: str | os.PathLike, seed: int = 0) -> s
     ``sampling_defaults.json``, and return ``path`` as a string."""
     path = os.fspath(path)
     build_tiny_pipeline(family, seed=seed).save_pretrained(path)
+    write_sampling_defaults(path, family)
+    return path
+
+
+def write_sampling_defaults(path: str, family: str) -> None:
+    """``sampling_defaults.json`` in the pipeline folder ``path``: the tiny ``family``'s size."""
     with open(os.path.join(path, SAMPLING_DEFAULTS_FILE), "w") as f:
         json.dump(TINY_SAMPLING_DEFAULTS[family], f, indent=2)
-    return path
 
 
 def build_tiny_policy(family: str, seed: int = 0) -> FlowPolicy:

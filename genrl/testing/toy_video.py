@@ -16,7 +16,6 @@ clamp's edge (the white background) gives the decoder no gradient.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -24,8 +23,7 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
 
-from genrl.policies import SAMPLING_DEFAULTS_FILE
-from genrl.testing.tiny_pipelines import TINY_SAMPLING_DEFAULTS, build_tiny_pipeline
+from genrl.testing.tiny_pipelines import TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, write_sampling_defaults
 from genrl.toy_scenes import all_specs, render_clip
 
 PIXEL_RANGE = 0.9
@@ -95,6 +93,5 @@ def save_toy_video_pipeline(path: str | os.PathLike, vae_steps: int, seed: int =
     figures = train_video_vae(pipeline.vae, vae_steps, seed=seed, num_frames=sizes["num_frames"],
                               resolution=sizes["height"], log_every=log_every)
     pipeline.save_pretrained(path)
-    with open(os.path.join(path, SAMPLING_DEFAULTS_FILE), "w") as f:
-        json.dump(sizes, f, indent=2)
+    write_sampling_defaults(path, "wan")
     return path, figures
