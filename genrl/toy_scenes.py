@@ -206,6 +206,8 @@ def _apart(a: tuple[float, float, float], b: tuple[float, float, float], gap: fl
 def _place(spec: SceneSpec, rng: np.random.Generator, resolution: int) -> list[tuple[float, float, float]]:
     """Random (cx, cy, side) per drawn object: inside the image, apart, and, for a position
     scene, clearly in the named relation (within 30 degrees, at least one side apart)."""
+    if resolution < 16:
+        raise ValueError(f"resolution must be at least 16 pixels, got {resolution}.")
     n = sum(obj.count for obj in spec.objects)
     gap = resolution / 16
     for attempt in range(10_000):
@@ -243,8 +245,6 @@ def render_scene(spec: SceneSpec, rng: np.random.Generator, resolution: int = 32
 
     Drawn at 4x and area-downsampled, so edges are anti-aliased at any small resolution.
     """
-    if resolution < 16:
-        raise ValueError(f"resolution must be at least 16 pixels, got {resolution}.")
     return _render_boxes(spec, _place(spec, rng, resolution), resolution)
 
 
@@ -288,8 +288,6 @@ def render_clip(
     """
     if num_frames < 1:
         raise ValueError(f"num_frames must be at least 1, got {num_frames}.")
-    if resolution < 16:
-        raise ValueError(f"resolution must be at least 16 pixels, got {resolution}.")
     start = _place(spec, rng, resolution)
     velocity = rng.uniform(-max_speed, max_speed, size=(len(start), 2)) * resolution
     frames = []
