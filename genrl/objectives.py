@@ -122,15 +122,21 @@ def steps_in_sigma_range(sigmas: torch.Tensor, sigma_range: tuple[float, float] 
     return torch.nonzero(inside.cpu()).flatten()
 
 
+def rollout_sigmas(policy: FlowPolicy, config: SamplingConfig) -> torch.Tensor:
+    """The sigmas of the rollouts' schedule, ``(T + 1,)`` with the final 0, from the policy at
+    ``config``'s sample size (which decides the shift of a dynamic-shift schedule, e.g. FLUX's)."""
+    size = policy.resolve_size(config.height, config.width, config.num_frames)
+    latents = torch.zeros((1, *policy.latent_shape(*size)))
+    return policy.timesteps_and_sigmas(config.num_inference_steps, latents, "cpu")[1]
+
+
 def check_sigma_range_holds(
     policy: FlowPolicy, config: SamplingConfig, num_timesteps: int, sigma_range: tuple[float, float]
 ) -> None:
-    """Start-up check of ``--train_sigma_range``: the rollouts' schedule (its size decides a
-    dynamic shift) must have at least ``num_timesteps`` steps with sigma in the range, else one
-    sentence (``SetupError``) before any rollout."""
-    size = policy.resolve_size(config.height, config.width, config.num_frames)
-    latents = torch.zeros((1, *policy.latent_shape(*size)))
-    sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, "cpu")[1]
+    """Start-up check of ``--train_sigma_range``: the rollouts' schedule must have at least
+    ``num_timesteps`` steps with sigma in the range, else one sentence (``SetupError``) before
+    any rollout."""
+    sigmas = rollout_sigmas(policy, config)
     inside = steps_in_sigma_range(sigmas, sigma_range)
     if len(inside) < num_timesteps:
         shown = ", ".join(f"{v:.3f}" for v in sigmas[:-1].tolist())

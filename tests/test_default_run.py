@@ -55,16 +55,11 @@ def test_the_no_argument_nft_trains_every_step_of_its_sigma_range():
     # The default NFT re-noises each sample at all of the shipped model's steps with sigma in
     # the range (README "Learning": training 6 of 6 ended steadier than 4 of 6); a change of the
     # schedule, the step count or the range that broke that would otherwise go unnoticed.
-    import torch
-
-    from genrl.objectives import steps_in_sigma_range
+    from genrl.objectives import rollout_sigmas, steps_in_sigma_range
     from genrl.policies import load_policy
 
     args = parse_args([])
-    config = train_args.sampling_configs(args)[0]
-    policy = load_policy(args.pretrained_model_name_or_path)
-    size = policy.resolve_size(config.height, config.width, config.num_frames)
-    sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, torch.zeros((1, *policy.latent_shape(*size))), "cpu")[1]
+    sigmas = rollout_sigmas(load_policy(args.pretrained_model_name_or_path), train_args.sampling_configs(args)[0])
     inside = steps_in_sigma_range(sigmas, args.train_sigma_range)
     assert train_args.num_trained_timesteps(args) == len(inside) == 6
     assert sigmas[inside].min() >= 0.4 and sigmas[len(inside)] < 0.4  # the 6 noisiest steps
