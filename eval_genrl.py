@@ -75,7 +75,7 @@ def parse_args(input_args=None):
     parser.add_argument("--ode_solver", choices=ODE_SOLVERS, default=None,
                         help="Default: what the export evaluated with during training, else euler.")
     parser.add_argument("--vae_decode_batch_size", type=int, default=1,
-                        help="Samples per VAE decode call (1: bounded memory, batch-layout independent).")
+                        help="Samples per VAE decode call (1: bounded memory; any size: batch-layout independent).")
     parser.add_argument("--negative_prompt", type=str, default="")
     parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
     parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")

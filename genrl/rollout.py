@@ -44,10 +44,11 @@ class SamplingConfig:
     ode_solver: how deterministic steps integrate: "euler", or "ab2" (two-step Adams-Bashforth,
         ``genrl.sde.adams_bashforth2_velocity``) after a deterministic step of the same sample
         (Euler after a stochastic one, and at the first step). Stochastic steps are always the SDE's.
-    decode_batch_size: samples per VAE decode call. 1 (the default) bounds the VAE's memory (a
-        video VAE's activations dwarf the transformer's at large frame counts) and makes every
-        decoded sample independent of how the batch was laid out; more is faster for images on a
-        GPU, with samples equal to float rounding.
+    decode_batch_size: samples per VAE decode call, every call of exactly this many rows (the
+        last chunk padded, ``decode_in_chunks``), so a decoded sample does not depend on how the
+        batch was laid out over processes, whatever the size. 1 (the default) bounds the VAE's
+        memory (a video VAE's activations dwarf the transformer's at large frame counts); more is
+        faster for images, with samples equal to those of size 1 to float rounding.
     """
 
     num_inference_steps: int = 16
@@ -247,10 +248,8 @@ def sample_rollout(
                     records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j], mean))
         latents = next_latents
 
-    # Decoded in chunks of decode_batch_size (1: bounded VAE memory, batch-independent), straight to the CPU.
     decode_start = time.perf_counter()
-    chunk = config.decode_batch_size
-    samples = torch.cat([policy.decode(latents[b : b + chunk]).detach().cpu() for b in range(0, batch, chunk)])
+    samples = decode_in_chunks(policy.decode, latents, config.decode_batch_size)
     decode_seconds = time.perf_counter() - decode_start
     state_shape = latents.shape[1:]
     del next_latents, velocity, step_velocity, prev_velocity
@@ -258,6 +257,23 @@ def sample_rollout(
     rollout.final_latents = latents
     rollout.decode_seconds = decode_seconds
     return rollout
+
+
+def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``decode`` of ``latents`` ``(B, ...)`` in calls of exactly ``chunk`` rows, straight to the CPU.
+
+    The last chunk is padded with copies of its last row and the padding dropped: every call has
+    one shape, so the kernels (and their summation order) do not change with B, and a sample
+    decodes to the same bits whatever rows share its call. That keeps samples independent of how
+    a batch is split over processes at any ``chunk``, as one row at a time does."""
+    out = []
+    for start in range(0, len(latents), chunk):
+        part = latents[start : start + chunk]
+        rows = len(part)
+        if rows < chunk:
+            part = torch.cat([part, part[-1:].expand(chunk - rows, *part.shape[1:])])
+        out.append(decode(part)[:rows].detach().cpu())
+    return torch.cat(out)
 
 
 def _stack_records(

@@ -167,8 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Deterministic steps (rollouts and evaluation): Euler, or the second-order two-step "
                             "Adams-Bashforth method (one model call per step, as Euler).")
     group.add_argument("--vae_decode_batch_size", type=int, default=1,
-                       help="Samples per VAE decode call (rollouts and evaluation). 1 bounds the VAE's memory and "
-                            "makes samples independent of the batch layout; more is faster for images on a GPU.")
+                       help="Samples per VAE decode call (rollouts and evaluation; the last call padded to it, so samples "
+                            "stay independent of the batch layout). 1 bounds the VAE's memory; more is faster for images.")
     group.add_argument("--sde_window_size", type=int, default=0, help="Stochastic steps per trajectory (0: every step).")
     group.add_argument("--sde_window_range", type=int, nargs=2, default=None, metavar=("LO", "HI"),
                        help="Window start is drawn per prompt in [LO, HI - size] (default: anywhere).")

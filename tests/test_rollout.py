@@ -10,6 +10,7 @@ from genrl.rollout import (
     Rollout,
     SamplingConfig,
     concat_rollouts,
+    decode_in_chunks,
     index_rollout,
     sample_rollout,
     step_log_prob,
@@ -179,7 +180,7 @@ def test_bad_configs_fail_early(policies):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_decoding_in_chunks_gives_the_one_at_a_time_samples(family, policies, monkeypatch):
     """--vae_decode_batch_size only changes how many samples a VAE call decodes: the same
-    samples to float rounding, every one of them (a chunk of 2 rows and one of 1)."""
+    samples to float rounding, every one of them (two calls of 2 rows, the second padded)."""
     policy = policies[family]
     one = SamplingConfig(num_inference_steps=3, noise_level=0.0, decode_batch_size=1)
     chunked = SamplingConfig(num_inference_steps=3, noise_level=0.0, decode_batch_size=2)
@@ -188,12 +189,32 @@ def test_decoding_in_chunks_gives_the_one_at_a_time_samples(family, policies, mo
     monkeypatch.setattr(policy, "decode", lambda latents: calls.append(len(latents)) or decode(latents))
     a = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=one, device="cpu")
     b = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=chunked, device="cpu")
-    assert calls == [1, 1, 1, 2, 1]
+    assert calls == [1, 1, 1, 2, 2]
     assert torch.equal(a.final_latents, b.final_latents)
     assert a.samples.shape == b.samples.shape and a.samples.shape[0] == len(PROMPTS) == 3
     torch.testing.assert_close(b.samples, a.samples, rtol=0, atol=1e-5)
     with pytest.raises(ValueError, match="decode_batch_size"):
         SamplingConfig(decode_batch_size=0)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_chunked_decode_does_not_depend_on_the_rows_beside_a_sample(family, policies):
+    """What keeps samples independent of the batch layout at any --vae_decode_batch_size: every
+    call has the chunk's shape, so a sample decodes to the same bits wherever it sits and whatever
+    shares its call (5 rows in chunks of 2 and 3, shuffled, and split as two processes would)."""
+    policy = policies[family]
+    generator = torch.Generator().manual_seed(0)
+    latents = torch.randn(5, *policy.latent_shape(*policy.resolve_size(None, None, None)), generator=generator)
+    with torch.no_grad():
+        for chunk in (2, 3):
+            whole = decode_in_chunks(policy.decode, latents, chunk)
+            order = torch.tensor([3, 0, 4, 2, 1])
+            shuffled = decode_in_chunks(policy.decode, latents[order], chunk)
+            assert torch.equal(shuffled, whole[order])
+            split = torch.cat([decode_in_chunks(policy.decode, latents[:2], chunk),
+                               decode_in_chunks(policy.decode, latents[2:], chunk)])
+            assert torch.equal(split, whole)
+    assert whole.shape[0] == 5 and whole.device.type == "cpu"
 
 
 def test_ab2_starts_with_euler_moves_on_in_second_order_and_leaves_sde_steps_alone(policies):
