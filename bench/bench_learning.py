@@ -256,7 +256,8 @@ def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float |
         run["eval_max_batches"], run["eval_batch_size"] = batches
     prompts = load_prompts(run["eval_prompt_dataset"])
     guidance = run["guidance_scale"] if guidance_scale is None else guidance_scale
-    config = SamplingConfig(num_inference_steps=10, guidance_scale=guidance, noise_level=0.0)
+    config = SamplingConfig(num_inference_steps=10, guidance_scale=guidance, noise_level=0.0,
+                            decode_batch_size=run["vae_decode_batch_size"])
     return prompts, build_reward_fn("toy_geneval"), config, run
 
 

@@ -45,6 +45,9 @@ DEFAULT_RUN = dict(
     eval_steps=20,
     eval_batch_size=32,
     eval_max_batches=4,
+    # The toy VAE decodes 8 samples a call in about half the time of 8 calls (7% of an epoch);
+    # calls of one shape keep samples independent of the batch layout (genrl.rollout.decode_in_chunks).
+    vae_decode_batch_size=8,
     # The reward watch: 8 prompts x 4 samples of diversity, the drift from a frozen copy of the
     # initial weights (the toy transformer is 1.3 M parameters).
     eval_diversity_prompts=8,

@@ -36,6 +36,15 @@ def test_a_users_own_model_gets_the_plain_defaults_not_the_toy_run(tmp_path):
                        "--reward_fn", "toy_geneval"])
     assert args.objective == "grpo" and args.noise_level == 0.7 and args.same_latent
     assert args.max_train_steps is None and args.eval_prompt_dataset is None
+    assert args.vae_decode_batch_size == 1  # a video VAE's memory stays bounded unless asked
+
+
+def test_the_toy_run_decodes_in_chunks_that_divide_its_rollout_batches():
+    """The toy run's 8-row decode calls: no rollout batch ends in a padded call."""
+    args = parse_args([])
+    assert args.vae_decode_batch_size == 8
+    assert args.rollout_batch_size % args.vae_decode_batch_size == 0
+    assert args.eval_batch_size % args.vae_decode_batch_size == 0
 
 
 def test_the_no_argument_run_swaps_to_zero3_without_another_flag(monkeypatch, capsys):
