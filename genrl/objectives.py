@@ -197,9 +197,9 @@ def fill_old_velocity(
 ) -> None:
     """Record the sampling policy's velocity at every (x_t, t) of ``batch``, before the first
     optimizer step of the epoch changes the weights. ``order`` lists the micro batches of
-    sample indices the update will visit (the same forwards on every rank: ZeRO-3 gathers
-    parameters in each)."""
-    old = torch.zeros_like(batch.noise)
+    sample indices to record (the same number of forwards on every rank: ZeRO-3 gathers
+    parameters in each); the other rows stay NaN, so a loss that used one would show it."""
+    old = torch.full_like(batch.noise, float("nan"))
     for idx in order:
         sub = {k: v[idx.to(v.device)] for k, v in embeds.items()}
         for j in range(batch.num_timesteps):
@@ -224,19 +224,28 @@ def forward_step_loss(
     nft_beta: float = 1.0,
     beta: float = 0.0,
     frozen_reference: torch.nn.Module | None = None,
+    old_is_current: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """NFT or AWM loss of samples ``idx`` ``(b,)`` at their ``column``-th drawn timestep, from
-    the conditional velocity; ``advantages`` ``(B,)``. With ``beta`` > 0, + beta mean (v - v_ref)^2."""
+    the conditional velocity; ``advantages`` ``(B,)``. With ``beta`` > 0, + beta mean (v - v_ref)^2.
+
+    ``old_is_current``: the weights are still those that sampled the rollout (on-policy, before
+    the epoch's first optimizer step), so NFT's old velocity is this forward's, detached, and
+    needs no recorded one."""
     sub = {k: v[idx.to(v.device)] for k, v in embeds.items()}
     noisy, t, sigma = batch.noisy[idx, column], batch.timesteps[idx, column], batch.sigmas[idx, column]
     guidance = policy.conditional_guidance(guidance_scale)
     velocity = policy.predict_velocity(model, noisy, t, sub, guidance)
     adv = advantages[idx].to(velocity.device)
     if objective == "nft":
-        if batch.old_velocity is None:
+        if old_is_current:
+            old_velocity = velocity.detach()
+        elif batch.old_velocity is None:
             raise ValueError("NFT needs the sampling policy's velocities; call fill_old_velocity first.")
+        else:
+            old_velocity = batch.old_velocity[idx, column]
         loss, stats = nft_loss(
-            velocity, batch.old_velocity[idx, column], noisy, batch.clean[idx], sigma, adv,
+            velocity, old_velocity, noisy, batch.clean[idx], sigma, adv,
             nft_beta=nft_beta, adv_clip_max=adv_clip_max,
         )
     elif objective == "awm":

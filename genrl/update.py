@@ -13,7 +13,9 @@ The update ends early when the global step reaches ``max_train_steps``.
   each sample's own shuffled ``timestep_fraction`` of its stochastic steps.
 - ``nft`` / ``awm``: the clean samples noised again at ``num_timesteps`` drawn steps of the
   sampling schedule (``genrl.objectives.draw_forward_batch``); NFT first records the sampling
-  policy's velocities there, before the weights move.
+  policy's velocities there, before the weights move. On-policy, the first optimizer step's
+  passes still run on the sampling weights and take them from their own forward instead, so
+  only the later passes' are recorded (with one optimizer step per epoch, none).
 """
 
 from __future__ import annotations
@@ -142,21 +144,34 @@ def informative_rows(
 
 
 def prepare_forward_batch(
-    policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, kept: torch.Tensor, *, config: UpdateConfig,
+    policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, record: list[torch.Tensor], *, config: UpdateConfig,
     seed: int, epoch: int, device: torch.device,
 ) -> ForwardBatch:
     """nft, awm: the rollout's clean samples noised again at ``config.num_timesteps`` steps of the
     sampling schedule each; for nft with the sampling policy's velocities there, recorded in
-    the micro batches the update will visit (the same forwards on every rank)."""
+    the micro batches ``record`` (sample indices ``(b,)`` each; the same number of forwards on
+    every rank)."""
     schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, device)
     batch = draw_forward_batch(
         rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch, sigma_range=config.train_sigma_range
     )
     if config.objective == "nft":  # the sampling policy's velocities, before the weights move
         model.eval()
-        fill_old_velocity(policy, model, batch, rollout.embeds, kept.split(config.micro_batch_size), config.guidance_scale)
+        fill_old_velocity(policy, model, batch, rollout.embeds, record, config.guidance_scale)
         model.train()
     return batch
+
+
+def micro_steps_before_the_weights_move(accelerator, config: UpdateConfig, on_policy: bool) -> int:
+    """How many of the update's first backward passes run on the weights that sampled the
+    rollout: on-policy NFT, from an accumulation boundary, the whole first optimizer step
+    (Accelerate's ``gradient_accumulation_steps`` passes); otherwise none. Those passes take
+    NFT's old velocity from their own forward, so it is recorded only for the later ones."""
+    if config.objective != "nft" or not on_policy:
+        return 0
+    per_step = accelerator.gradient_accumulation_steps
+    whole_micro_batches = per_step % config.num_timesteps == 0
+    return per_step if whole_micro_batches and accelerator.step % per_step == 0 else 0
 
 
 def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler, guard: NonFiniteGuard, *,
@@ -205,14 +220,18 @@ def update_policy(
     optimizer step."""
     model.train()
     generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
+    plan = list(micro_steps(kept, rollout.num_steps, config, generator))
+    fresh = micro_steps_before_the_weights_move(accelerator, config, on_policy=sampling_policy is None)
     forward_batch = None
     if config.objective != "grpo":
+        # Each later micro batch once: its first of num_timesteps consecutive passes.
+        record = [idx for idx, _ in plan[fresh :: config.num_timesteps]]
         with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
-            forward_batch = prepare_forward_batch(policy, model, rollout, kept, config=config, seed=seed, epoch=epoch,
+            forward_batch = prepare_forward_batch(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
                                                   device=accelerator.device)
     result = UpdateResult(global_step)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
-    for idx, step in micro_steps(kept, rollout.num_steps, config, generator):
+    for n, (idx, step) in enumerate(plan):
         with accelerator.accumulate(model):
             if config.objective == "grpo":
                 # Without a KL term a zero-advantage sample adds nothing to the loss or its gradient.
@@ -227,7 +246,7 @@ def update_policy(
                 loss, stats = forward_step_loss(
                     policy, model, forward_batch, rollout.embeds, idx, step, advantages, objective=config.objective,
                     guidance_scale=config.guidance_scale, adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta,
-                    beta=config.beta, frozen_reference=frozen_reference,
+                    beta=config.beta, frozen_reference=frozen_reference, old_is_current=n < fresh,
                 )
             losses_finite = losses_finite and is_finite(loss)
             accelerator.backward(loss)

@@ -120,8 +120,33 @@ def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, po
     assert torch.isfinite(loss) and stats["old_deviation"].item() < 1e-10
     policy.transformer.zero_grad()
     loss.backward()
-    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in policy.transformer.parameters())
+    recorded_grads = [p.grad.clone() for p in policy.transformer.parameters() if p.grad is not None]
+    assert any(g.abs().sum() > 0 for g in recorded_grads)
     policy.transformer.zero_grad()
+
+    # Before the weights move, the old velocity may come from the trained forward itself (what the
+    # update does for the first optimizer step of an on-policy epoch): the same loss and gradient.
+    batch.old_velocity = None
+    current, _ = forward_step_loss(
+        policy, policy.transformer, batch, rollout.embeds, idx, 1, advantages,
+        objective="nft", guidance_scale=config.guidance_scale, adv_clip_max=5.0, old_is_current=True,
+    )
+    torch.testing.assert_close(current, loss, rtol=1e-6, atol=1e-7)
+    current.backward()
+    for got, expected in zip([p.grad for p in policy.transformer.parameters() if p.grad is not None], recorded_grads):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    policy.transformer.zero_grad()
+
+
+def test_old_velocities_are_recorded_only_for_the_micro_batches_asked(policies):
+    """The others stay NaN: a loss that read an unrecorded one could not pass for a real one."""
+    policy = policies["sd3"]
+    rollout, config = _rollout(policy)
+    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
+    batch = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1)
+    fill_old_velocity(policy, policy.transformer, batch, rollout.embeds, [torch.tensor([3, 1])], config.guidance_scale)
+    assert torch.isfinite(batch.old_velocity[[1, 3]]).all()
+    assert torch.isnan(batch.old_velocity[[0, 2]]).all()
 
 
 def test_awm_step_is_the_advantage_weighted_flow_matching_loss(policies):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from genrl.train_logging import crossed
-from genrl.update import UpdateConfig, UpdateResult, micro_steps
+from genrl.update import UpdateConfig, UpdateResult, micro_steps, micro_steps_before_the_weights_move
 
 
 def update_config(objective: str, **overrides) -> UpdateConfig:
@@ -19,6 +19,22 @@ def update_config(objective: str, **overrides) -> UpdateConfig:
 def visits(objective: str, kept: torch.Tensor, recorded_steps: int = 4, seed: int = 0, **overrides):
     config = update_config(objective, **overrides)
     return list(micro_steps(kept, recorded_steps, config, torch.Generator().manual_seed(seed)))
+
+
+def test_only_on_policy_nft_takes_the_first_optimizer_steps_old_velocities_from_its_own_forward():
+    """The passes of the first optimizer step (Accelerate's accumulation count, here 2 micro
+    batches x 3 timesteps) run on the sampling weights, if the update starts at an accumulation
+    boundary; with a soft-updated sampling policy, for AWM and GRPO, none."""
+    from types import SimpleNamespace
+
+    config = update_config("nft")
+    assert micro_steps_before_the_weights_move(SimpleNamespace(gradient_accumulation_steps=6, step=12), config, True) == 6
+    assert micro_steps_before_the_weights_move(SimpleNamespace(gradient_accumulation_steps=6, step=8), config, True) == 0
+    assert micro_steps_before_the_weights_move(SimpleNamespace(gradient_accumulation_steps=6, step=0), config, False) == 0
+    assert micro_steps_before_the_weights_move(SimpleNamespace(gradient_accumulation_steps=4, step=0), config, True) == 0
+    for objective in ("awm", "grpo"):
+        accelerator = SimpleNamespace(gradient_accumulation_steps=6, step=0)
+        assert micro_steps_before_the_weights_move(accelerator, update_config(objective), True) == 0
 
 
 @pytest.mark.parametrize("objective", ["grpo", "nft", "awm"])
