@@ -16,6 +16,8 @@ Ceilings, on the same held-out prompts, evaluation settings and noise:
   train prompts (``scripts/pretrain_toy_model.py``'s loop, ``--supervised_steps``), scored every
   ``--supervised_eval_every`` steps; the best score is the ceiling, and the curve shows whether the
   fine-tune reached its plateau: what the architecture reaches when it is shown the right answers.
+  Its steps to 0.6 and 0.8 (64 scenes a step, as an RL step's 64 samples) are the pace that labels
+  for every sample set.
 
 ``--setting video`` checks that video learns too: the tiny Wan (5 frames of 32x32, random
 transformer) with a VAE first trained on toy clips (``genrl.testing.toy_video``, so that what
@@ -325,8 +327,10 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
     seconds = time.perf_counter() - start - eval_s[0]
     score(steps)
     best = max(curve, key=lambda point: point[1])
+    # How many steps labelled scenes need to each threshold: the pace RL's steps compare with.
+    reach = {"steps": [step for step, _ in curve], "scores": [value for _, value in curve]}
     return {"bench": "learning", "ceiling": "supervised", "score": best[1], "steps": best[0], "curve": curve,
-            "train_s": seconds}
+            "train_s": seconds, **{f"steps_to_{t}": first_reaching(reach, t, "steps") for t in THRESHOLDS}}
 
 
 def video_reward_reach(model: str, num_samples: int = 32) -> dict:
@@ -421,7 +425,8 @@ def main(args) -> list[dict]:
         ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
                     emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
                                                 args.base_model, args.guidance_scale))]
-        common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "train_s"], title="Ceilings")
+        common.print_table(ceilings, ["ceiling", "score", "single_sample", "steps", "steps_to_0.6", "steps_to_0.8", "train_s"],
+                           title="Ceilings")
     if args.setting == "video":
         reach = emit(video_reward_reach(base[base.index("--pretrained_model_name_or_path") + 1]))
         common.print_table([reach], ["noise_latents_mean", "noise_latents_std", "still_latents_mean", "zero_latents"],

@@ -211,6 +211,8 @@ def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
     assert [step for step, _ in supervised["curve"]] == [1, 2]
     assert supervised["score"] == max(score for _, score in supervised["curve"])
     assert [supervised["steps"], supervised["score"]] in supervised["curve"]
+    for threshold in (0.6, 0.8):
+        assert supervised[f"steps_to_{threshold}"] == next((s for s, v in supervised["curve"] if v >= threshold), None)
     plot = next(f["plot"] for f in figures if "plot" in f)
     assert os.path.getsize(plot) > 0
 
