@@ -19,6 +19,7 @@ medians. Flow-GRPO's side is not run here (it is another repository).
 
     python bench/bench_epoch.py                               # 5 epochs, ~40 s each on one core
     python bench/bench_epoch.py --extra="--vae_decode_batch_size 32"
+    python bench/bench_epoch.py --extra="--compile --vae_decode_batch_size 32"   # the CPU levers
     python bench/bench_epoch.py --quick                       # CI: 2 small epochs
 """
 
