@@ -34,6 +34,7 @@ import torch
 
 from genrl.distributed import settle_zero3_params
 from genrl.ema import EMA
+from genrl.errors import SetupError
 from genrl.policies import FlowPolicy, load_policy
 from genrl.redact import redact_args
 from genrl.safe_load import load_weights_only, verify_checkpoint
@@ -433,17 +434,22 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
 def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype = torch.float32) -> FlowPolicy:
     """A policy from a base model (folder or Hub id), a genrl export, or a checkpoint folder.
 
-    With ``use_ema`` the EMA weights are loaded; asking for them where there are none is an error.
+    With ``use_ema`` the EMA weights are loaded; asking for them where there are none is a
+    ``SetupError`` naming why (no such folder, a base model, a run without EMA).
     """
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
+        if use_ema and not os.path.isdir(path):
+            raise SetupError(f"{path!r} is not a folder here: --use_ema reads the EMA weights of a genrl export or "
+                             f"checkpoint folder (one holding {CONFIG_FILE}).")
         if use_ema:
-            raise ValueError(f"{path!r} is a base model, not a genrl export: it has no EMA weights.")
+            raise SetupError(f"{path!r} holds no {CONFIG_FILE}: it is a base model, not a genrl export or checkpoint, "
+                             "so it has no EMA weights; leave out --use_ema.")
         return load_policy(path, dtype=dtype)
     with open(config_path) as f:
         config = json.load(f)
     if use_ema and not config.get("has_ema"):
-        raise ValueError(f"{path!r} was trained without --use_ema: it has no EMA weights.")
+        raise SetupError(f"{path!r} was trained without --use_ema, so it has no EMA weights; leave out --use_ema.")
     policy = load_policy(config["base_model"], dtype=dtype)
     suffix = "_ema" if use_ema else ""
     if config["use_lora"]:

@@ -82,6 +82,26 @@ def test_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, capsys, ext
     assert exit_info.value.code == 2 and sentence in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("case", ["missing", "base", "no_ema"])
+def test_use_ema_without_ema_weights_is_one_sentence_naming_why(tiny_sd3, prompt_file, tmp_path, case):
+    """--use_ema on a path with no EMA weights: a folder that is not there (the README's
+    checkpoint example before the run wrote it), a base model, an export trained without EMA.
+    Each ends in its own sentence (exit status 1), not a traceback calling it a base model."""
+    model = {"missing": str(tmp_path / "genrl-output" / "checkpoint-40"), "base": tiny_sd3,
+             "no_ema": str(tmp_path / "export")}[case]
+    if case == "no_ema":
+        os.makedirs(model)
+        with open(os.path.join(model, "genrl_config.json"), "w") as f:
+            json.dump({"base_model": tiny_sd3, "use_lora": False, "has_ema": False}, f)
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.run(_script_args(model, prompt_file, tmp_path / "out", "--use_ema"))
+    message = exit_info.value.code
+    assert isinstance(message, str) and message.startswith(f"eval_genrl.py: error: {model!r} "), message
+    assert {"missing": "is not a folder here", "base": "it is a base model",
+            "no_ema": "was trained without --use_ema"}[case] in message
+    assert "\n" not in message and message.endswith("leave out --use_ema." if case != "missing" else "genrl_config.json).")
+
+
 # ------------------------------------------------------------------------------ batch plan
 
 
