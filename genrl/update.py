@@ -15,7 +15,8 @@ The update ends early when the global step reaches ``max_train_steps``.
   sampling schedule (``genrl.objectives.draw_forward_batch``); NFT first records the sampling
   policy's velocities there, before the weights move. On-policy, the first optimizer step's
   passes still run on the sampling weights and take them from their own forward instead, so
-  only the later passes' are recorded (with one optimizer step per epoch, none).
+  only the later passes' are recorded (with one optimizer step per epoch, none; with more inner
+  epochs every sample comes back later, so each is recorded once).
 """
 
 from __future__ import annotations
@@ -224,8 +225,12 @@ def update_policy(
     fresh = micro_steps_before_the_weights_move(accelerator, config, on_policy=sampling_policy is None)
     forward_batch = None
     if config.objective != "grpo":
-        # Each later micro batch once: its first of num_timesteps consecutive passes.
-        record = [idx for idx, _ in plan[fresh :: config.num_timesteps]]
+        # Each later micro batch once (its first of num_timesteps consecutive passes). With more
+        # inner epochs every sample comes back after the weights move: record each sample once.
+        if config.num_inner_epochs == 1:
+            record = [idx for idx, _ in plan[fresh :: config.num_timesteps]]
+        else:
+            record = list(kept.split(config.micro_batch_size))
         with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
             forward_batch = prepare_forward_batch(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
                                                   device=accelerator.device)

@@ -103,15 +103,18 @@ def test_a_soft_updated_sampling_policy_lags_the_weights_and_resumes_to_the_same
     assert diff <= 1e-6, f"the resumed run ends {diff} away from the uninterrupted one"
 
 
-def test_on_policy_nft_trains_as_if_every_old_velocity_were_recorded(tiny_sd3, prompt_file, tmp_path):
-    """Two optimizer steps an epoch: the first takes NFT's old velocities from its own forward,
-    the second from the ones recorded before it. A sampling policy that follows the weights
+@pytest.mark.parametrize("inner_epochs", [1, 2])
+def test_on_policy_nft_trains_as_if_every_old_velocity_were_recorded(tiny_sd3, prompt_file, tmp_path, inner_epochs):
+    """Two optimizer steps an epoch (four with two inner epochs): the first takes NFT's old
+    velocities from its own forward, the later ones from those recorded before it (with two inner
+    epochs, every sample's, the first step's included). A sampling policy that follows the weights
     (a soft update of rate 1e-30) records them all: both runs end at the same weights."""
     ends = {}
     for name, extra in (("on-policy", ()), ("all-recorded", ("--sampling_policy_decay_rate", "1e-30"))):
         out = str(tmp_path / name)
-        run_script("train_genrl.py", objective_args(tiny_sd3, prompt_file, out, "nft", *extra), config="single_gpu")
-        assert [l["step"] for l in train_lines(out)] == [2, 4]
+        run_script("train_genrl.py", objective_args(tiny_sd3, prompt_file, out, "nft", *extra, "--num_inner_epochs",
+                                                    str(inner_epochs)), config="single_gpu")
+        assert [l["step"] for l in train_lines(out)] == [2 * inner_epochs, 4 * inner_epochs]
         ends[name] = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
     assert any(not torch.equal(ends["on-policy"][k], base[k]) for k in base), "training did not change any weight"

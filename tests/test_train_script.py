@@ -141,26 +141,31 @@ def test_a_missing_attention_backend_is_refused_before_any_model_loads(tiny_sd3,
     assert "flash-attn" in message and "\n" not in message
 
 
-def test_throughput_and_counted_flops_are_logged_every_epoch(tiny_sd3, prompt_file, tmp_path):
+@pytest.mark.parametrize("inner_epochs", [1, 2])
+def test_throughput_and_counted_flops_are_logged_every_epoch(tiny_sd3, prompt_file, tmp_path, inner_epochs):
     """NFT on 4-step CFG rollouts: per epoch 8 samples x 4 steps x 2 (CFG) rollout forwards, 8
     samples x 2 trained timesteps of training forwards with their backward, and old-velocity
     forwards (no grad, conditional) only for the second batch's 4 samples x 2 timesteps: the
     first optimizer step (accumulation 2 = one batch's 2 timesteps) still runs on the sampling
     weights and takes its old velocity from its own forward. Each priced at FlopCounterMode's
-    count of the saved transformer, taken here on the real module."""
+    count of the saved transformer, taken here on the real module. With two inner epochs every
+    sample comes back after the weights move: each has its old velocity recorded once (8 x 2),
+    and the training forwards double."""
     from test_throughput import counted_on_cpu
 
     from genrl.policies import load_policy
 
     out = str(tmp_path / "out")
     run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--objective", "nft", "--noise_level", "0",
-                                           "--no-same_latent", "--timestep_fraction", "0.5", "--peak_tflops", "0.5"))
+                                           "--no-same_latent", "--timestep_fraction", "0.5", "--peak_tflops", "0.5",
+                                           "--num_inner_epochs", str(inner_epochs)))
     policy = load_policy(tiny_sd3)
     forward, train = counted_on_cpu(policy, policy.transformer.requires_grad_(True))
     logged = metrics(out)
     assert len(logged) == 2
     for epoch in logged:
-        assert epoch["perf/transformer_flops"] == (8 * 4 * 2 + 4 * 2) * forward + 8 * 2 * train
+        old_velocity_forwards = 4 * 2 if inner_epochs == 1 else 8 * 2
+        assert epoch["perf/transformer_flops"] == (8 * 4 * 2 + old_velocity_forwards) * forward + inner_epochs * 8 * 2 * train
         assert epoch["time/samples_per_s"] == pytest.approx(8 / epoch["time/epoch_s"])
         assert epoch["perf/transformer_tflops"] == pytest.approx(epoch["perf/transformer_flops"] / epoch["time/epoch_s"] / 1e12)
         assert epoch["perf/mfu"] == pytest.approx(epoch["perf/transformer_tflops"] / 0.5)
