@@ -203,6 +203,12 @@ def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
     for objective, row in summaries.items():
         curve = next(c for c in curves if c["objective"] == objective)
         assert row["final_mean"] == pytest.approx(curve["scores"][-1], abs=1e-3) and row["final_spread"] == 0
+        # The final weights re-evaluated from two noises: the first is the trainer's own evaluation
+        # noise, so it repeats the curve's last point (eval_genrl.py reads the run's own settings).
+        assert len(curve["noise_scores"]) == 2
+        assert curve["noise_scores"][0] == pytest.approx(curve["scores"][-1], abs=1e-6)
+        assert row["final_noise_mean"] == pytest.approx(sum(curve["noise_scores"]) / 2, abs=1e-4)  # printed to 4 decimals
+        assert row["noise_sd"] >= 0 and row["final_noise_spread"] == 0
     ceilings = {f["ceiling"]: f for f in figures if "ceiling" in f}
     assert set(ceilings) == {"best_of_2", "supervised"}
     assert ceilings["best_of_2"]["score"] >= ceilings["best_of_2"]["single_sample"]
@@ -210,6 +216,7 @@ def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
     supervised = ceilings["supervised"]
     assert [step for step, _ in supervised["curve"]] == [1, 2]
     assert supervised["score"] == max(score for _, score in supervised["curve"])
+    assert supervised["final_noise_mean"] is not None and 0 <= supervised["final_noise_mean"] <= 1
     assert [supervised["steps"], supervised["score"]] in supervised["curve"]
     for threshold in (0.6, 0.8):
         assert supervised[f"steps_to_{threshold}"] == next((s for s, v in supervised["curve"] if v >= threshold), None)
