@@ -220,6 +220,7 @@ def final_over_noise(run_dir: str, draws: int, threads: int, score: str) -> list
     toy run's 122 held-out prompts, one sample each, moves by about 0.02 from one noise to the
     next, as much as the seeds' spread: the mean over draws measures the weights, not the draw."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+    run_dir = os.path.abspath(run_dir)  # eval_genrl.py runs in the repository root
     scores = []
     for draw in range(draws):
         out = os.path.join(run_dir, f"noise-draw-{draw}")
