@@ -215,8 +215,8 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
 
 def final_over_noise(run_dir: str, draws: int, threads: int, score: str) -> list[float]:
     """The run's final weights evaluated ``draws`` times by ``eval_genrl.py`` with the run's own
-    evaluation settings, each time from other noise (seeds 0, 1000, 2000, ...; the first is the
-    trainer's own, so it repeats the curve's last point). At fixed weights one evaluation of the
+    evaluation settings, each time from other noise (seeds 0, 1000, 2000, ...; with the default
+    ``--eval_seed 0`` the first is the trainer's own, so it repeats the curve's last point). At fixed weights one evaluation of the
     toy run's 122 held-out prompts, one sample each, moves by about 0.02 from one noise to the
     next, as much as the seeds' spread: the mean over draws measures the weights, not the draw."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
@@ -460,15 +460,16 @@ def main(args) -> list[dict]:
             emit({"bench": "learning", "objective": objective, "seed": seed, **curve})
         rows.append(emit(summarize(objective, runs)))
     common.print_table(rows, ["objective", "seeds", "steps", "start", "final_mean", "final_spread", "best_mean",
-                              "final_minus_best_earlier", "final_noise_mean", "final_noise_spread", "noise_sd", "steps_to_0.6", "steps_to_0.8", "s_to_0.6", "s_to_0.8",
-                              "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
+                              "final_minus_best_earlier", "final_noise_mean", "final_noise_spread", "noise_sd",
+                              "steps_to_0.6", "steps_to_0.8", "s_to_0.6", "s_to_0.8", "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
     ceilings = []
     if not args.no_ceilings and args.setting != "video":
         group_size = 2 if args.quick else 8
         ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
                     emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
                                                 args.base_model, args.guidance_scale, args.final_noise_draws))]
-        common.print_table(ceilings, ["ceiling", "score", "final_noise_mean", "single_sample", "steps", "steps_to_0.6", "steps_to_0.8", "train_s"],
+        common.print_table(ceilings, ["ceiling", "score", "final_noise_mean", "single_sample", "steps", "steps_to_0.6",
+                                      "steps_to_0.8", "train_s"],
                            title="Ceilings")
     if args.setting == "video":
         reach = emit(video_reward_reach(base[base.index("--pretrained_model_name_or_path") + 1]))
