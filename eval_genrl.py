@@ -68,6 +68,9 @@ def parse_args(input_args=None):
                         help="Prompts per batch (per forward pass); default: the export's own, else 4.")
     parser.add_argument("--seed", type=int, default=None,
                         help="Batch b starts from noise seeded with seed + b; default: the export's own, else 0.")
+    parser.add_argument("--samples_per_prompt", type=int, default=None,
+                        help="Noise draws of each prompt, the score their mean; draw k starts from the noise of --seed + "
+                        "1000 k (draw 0: the one-sample evaluation's). Default: the export's own, else 1.")
     parser.add_argument("--num_inference_steps", type=int, default=None,
                         help="Default: what the export evaluated with during training, else 16.")
     parser.add_argument("--guidance_scale", type=float, default=None,
@@ -97,13 +100,15 @@ def parse_args(input_args=None):
     # trained model is scored on the prompts, batches, noise and reward its training run used.
     trained = trained_settings(args.model) or trained_settings(args.compare)
     fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
-                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler"}
+                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler", "samples_per_prompt": 1}
     for key, value in fallback.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, value))
 
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
+    if args.samples_per_prompt < 1:
+        parser.error(f"--samples_per_prompt must be at least 1; got {args.samples_per_prompt}.")
     if args.vae_decode_batch_size < 1:
         parser.error(f"--vae_decode_batch_size must be at least 1; got {args.vae_decode_batch_size}.")
     if args.max_batches < 0:
@@ -162,6 +167,7 @@ def trained_settings(path: str | None) -> dict:
         "max_batches": trained.get("eval_max_batches"),
         "batch_size": trained.get("eval_batch_size"),
         "seed": trained.get("eval_seed"),
+        "samples_per_prompt": trained.get("eval_samples_per_prompt"),
         "ode_solver": trained.get("ode_solver"),
     }
     return {k: v for k, v in settings.items() if v is not None}
@@ -191,6 +197,7 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
         accelerator=accelerator,
         metadata=metadata,
         keep_samples=None if args.save_samples == -1 else args.save_samples,
+        samples_per_prompt=args.samples_per_prompt,
     )
     result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
     del policy
@@ -209,7 +216,10 @@ def model_label(path: str) -> str:
 def _summary(stats: dict) -> str:
     if stats["mean"] is None:
         return "not applicable to any sample"
-    return f"{stats['mean']:.4f} (std {stats['std']:.4f}, {stats['count']} samples)"
+    line = f"{stats['mean']:.4f} (std {stats['std']:.4f}, {stats['count']} samples)"
+    if stats.get("draw_means"):  # how far one draw of noise moves the score
+        line += f"; draws {' / '.join('n/a' if m is None else f'{m:.4f}' for m in stats['draw_means'])}"
+    return line
 
 
 def main(args):
@@ -239,7 +249,8 @@ def main(args):
     )
     logger.info(
         f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "
-        f"{args.batch_size}) with reward {spec!r}, seed {args.seed}, {accelerator.num_processes} process(es).",
+        f"{args.batch_size}, {args.samples_per_prompt} sample(s) each) with reward {spec!r}, seed {args.seed}, "
+        f"{accelerator.num_processes} process(es).",
         main_process_only=True,
     )
 

@@ -197,6 +197,7 @@ def main(args):
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
         max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
         probe_prompts=args.eval_diversity_prompts, probe_samples=args.eval_diversity_samples,
+        samples_per_prompt=args.eval_samples_per_prompt,
     )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read

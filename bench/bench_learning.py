@@ -8,7 +8,7 @@ trained timesteps; evaluation always uses the same prompts and noise). Runs go `
 a time, each with cores / jobs torch threads. The figures come from each run's
 ``logs/metrics.jsonl`` (``eval/toy_geneval_mean`` and ``time/elapsed_s``, wall time since the
 launch, set-up and evaluations included). Each run's final weights are also evaluated from
-``--final_noise_draws`` other noises by ``eval_genrl.py`` (``final_noise_mean``,
+``--final_noise_draws`` noises by ``eval_genrl.py --samples_per_prompt`` (``final_noise_mean``,
 ``final_noise_spread``, ``noise_sd``): at fixed weights one evaluation moves by about 0.02-0.03
 with the noise alone, as much as the seeds differ, so the mean over draws is the figure to
 compare runs by.
@@ -120,8 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--video_vae_steps", type=int, default=800,
                         help="video setting: steps of the tiny Wan VAE's training on toy clips (genrl.testing.toy_video).")
     parser.add_argument("--final_noise_draws", type=int, default=None,
-                        help="Evaluate each run's final weights this many times, each from other noise, and report the "
-                             "mean (default 4; 2 with --quick; 0: skip).")
+                        help="Evaluate each run's final weights from this many noises (eval_genrl.py --samples_per_prompt) "
+                             "and report the mean (default 4; 2 with --quick; 0: skip).")
     parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string "
                         "(write --extra=--grpo_guard when it starts with a dash and has no space).")
     args = parser.parse_args(argv)
@@ -214,25 +214,26 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
 
 
 def final_over_noise(run_dir: str, draws: int, threads: int, score: str) -> list[float]:
-    """The run's final weights evaluated ``draws`` times by ``eval_genrl.py`` with the run's own
-    evaluation settings, each time from other noise (seeds 0, 1000, 2000, ...; with the default
-    ``--eval_seed 0`` the first is the trainer's own, so it repeats the curve's last point). At fixed weights one evaluation of the
-    toy run's 122 held-out prompts, one sample each, moves by about 0.02 from one noise to the
-    next, as much as the seeds' spread: the mean over draws measures the weights, not the draw."""
+    """The run's final weights evaluated from ``draws`` noises by one ``eval_genrl.py
+    --samples_per_prompt draws`` with the run's own evaluation settings (draw k: the noise of
+    seed 1000 k; with the default ``--eval_seed 0`` draw 0 is the trainer's own, so it repeats
+    the curve's last point); returns each draw's mean. At fixed weights one evaluation of the toy
+    run's 122 held-out prompts, one sample each, moves by about 0.02 from one noise to the next,
+    as much as the seeds' spread: the mean over draws measures the weights, not the draw."""
+    if draws < 1:
+        return []
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
     run_dir = os.path.abspath(run_dir)  # eval_genrl.py runs in the repository root
-    scores = []
-    for draw in range(draws):
-        out = os.path.join(run_dir, f"noise-draw-{draw}")
-        command = [sys.executable, os.path.join(ROOT, "eval_genrl.py"), "--model", run_dir, "--seed", str(1000 * draw),
-                   "--save_samples", "0", "--output_dir", out]
-        with open(os.path.join(run_dir, "noise-draws.log"), "a") as log:
-            proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-        if proc.returncode != 0:
-            raise RuntimeError(f"evaluating {run_dir} (draw {draw}) exited {proc.returncode}; see {log.name}.")
-        with open(os.path.join(out, "metrics.json")) as f:
-            scores.append(json.load(f)["metrics"][score]["mean"])
-    return scores
+    out = os.path.join(run_dir, "noise-draws")
+    command = [sys.executable, os.path.join(ROOT, "eval_genrl.py"), "--model", run_dir, "--samples_per_prompt", str(draws),
+               "--save_samples", "0", "--output_dir", out]
+    with open(os.path.join(run_dir, "noise-draws.log"), "a") as log:
+        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"evaluating {run_dir} over {draws} noises exited {proc.returncode}; see {log.name}.")
+    with open(os.path.join(out, "metrics.json")) as f:
+        stats = json.load(f)["metrics"][score]
+    return stats.get("draw_means") or [stats["mean"]]
 
 
 def read_curve(metrics_path: str, score: str) -> dict:

@@ -283,6 +283,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--eval_num_inference_steps", type=int, default=None, help="Evaluation steps (default: --num_inference_steps).")
     group.add_argument("--eval_guidance_scale", type=float, default=None, help="Evaluation guidance (default: --guidance_scale).")
     group.add_argument("--eval_seed", type=int, default=0, help="Seed of the evaluation noise (the same at every evaluation).")
+    group.add_argument("--eval_samples_per_prompt", type=int, default=1,
+                       help="Noise draws of each evaluation prompt; the score is their mean (draw k: the noise of "
+                            "--eval_seed + 1000 k). One evaluation moves with its noise; K draws move about sqrt(K) times less.")
     group.add_argument("--eval_reward_fn", type=str, default=None,
                        help="Rewards reported at evaluation (default: --reward_fn); weight 0 reports without adding to the total.")
     group.add_argument("--eval_log_samples", type=int, default=8,
@@ -453,6 +456,8 @@ def validate_args(args) -> None:
             "--watch_reference with full fine-tuning under ZeRO-3 would keep a full reference copy on every rank; "
             "use --use_lora (the reference is the adapter switched off) or leave --watch_reference out."
         )
+    if args.eval_samples_per_prompt < 1:
+        raise ValueError(f"--eval_samples_per_prompt must be at least 1, got {args.eval_samples_per_prompt}.")
     if args.eval_diversity_prompts < 0 or (args.eval_diversity_prompts and args.eval_diversity_samples < 2):
         raise ValueError(
             f"--eval_diversity_prompts must be >= 0 and --eval_diversity_samples >= 2 (diversity compares samples), got "

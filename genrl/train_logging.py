@@ -88,7 +88,8 @@ def log_eval_samples(accelerator, result: EvalResult, output_dir: str, step: int
 class EvalPlan:
     """What the in-training evaluation runs (the ``--eval_*`` flags): ``prompts`` scored by
     ``reward_fn``, sampled as ``config`` says (deterministic), ``batch_size`` prompts per batch
-    (all processes together), at most ``max_batches`` batches, noise from ``seed``;
+    (all processes together), at most ``max_batches`` batches, noise from ``seed``,
+    ``samples_per_prompt`` noise draws of each prompt (``--eval_samples_per_prompt``);
     ``keep_samples`` samples go to the grid, MP4s at ``video_fps``. The reward watch's probe:
     ``probe_prompts`` prompts spread over the set (0: none), ``probe_samples`` samples each
     (``--eval_diversity_prompts``, ``--eval_diversity_samples``)."""
@@ -103,6 +104,7 @@ class EvalPlan:
     video_fps: float
     probe_prompts: int = 0
     probe_samples: int = 4
+    samples_per_prompt: int = 1
 
 
 @torch.no_grad()
@@ -164,6 +166,7 @@ def evaluate_and_log(
             policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
             max_batches=plan.max_batches, config=plan.config, device=accelerator.device, accelerator=accelerator,
             metadata=plan.prompts.metadata, keep_samples=plan.keep_samples, show_progress=False,
+            samples_per_prompt=plan.samples_per_prompt,
         )
         probe = watch_probe(plan, policy, model, accelerator.device, reference)
     values = result.log_dict("eval")

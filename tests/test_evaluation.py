@@ -72,6 +72,7 @@ def _script_args(model, prompts_file, output_dir, *extra):
     (["--batch_size", "0"], "--batch_size must be at least 1; got 0."),
     (["--vae_decode_batch_size", "0"], "--vae_decode_batch_size must be at least 1; got 0."),
     (["--max_batches", "-1"], "--max_batches must be >= 0 (0 = every prompt); got -1."),
+    (["--samples_per_prompt", "0"], "--samples_per_prompt must be at least 1; got 0."),
     (["--ode_solver", "rk4"], "argument --ode_solver: invalid choice: 'rk4'"),
     (["--attention_backend", "warp_drive"], "--attention_backend 'warp_drive' is not a diffusers attention backend; choose"),
 ])
@@ -170,6 +171,25 @@ def test_one_generator_per_evaluation_reseeded_with_seed_plus_batch(policy, rewa
     assert not torch.equal(two_batches.samples[0], two_batches.samples[1])
 
 
+def test_several_samples_per_prompt_score_what_separate_evaluations_at_seed_plus_1000k_would(policy, reward_fn):
+    """Draw k of K is the one-sample evaluation at seed + 1000 k, so draw 0 is today's evaluation
+    bit for bit and the mean over K draws measures the weights rather than one noise."""
+    one, other = _evaluate(policy, reward_fn, seed=5), _evaluate(policy, reward_fn, seed=1005)
+    both = _evaluate(policy, reward_fn, seed=5, samples_per_prompt=2)
+    assert torch.equal(both.samples, one.samples)  # the grid shows draw 0
+    assert both.settings["num_samples"] == 8 and both.settings["samples_per_prompt"] == 2
+    for name, stats in both.metrics.items():
+        assert stats["draw_means"] == [one.metrics[name]["mean"], other.metrics[name]["mean"]]
+        assert stats["count"] == 8
+        assert stats["mean"] == pytest.approx((one.metrics[name]["mean"] + other.metrics[name]["mean"]) / 2, abs=1e-12)
+    for row, a, b in zip(both.per_prompt, one.per_prompt, other.per_prompt):
+        assert row["draws"] == [a["scores"], b["scores"]]
+        for name, value in row["scores"].items():
+            assert value == pytest.approx((a["scores"][name] + b["scores"][name]) / 2, abs=1e-12)
+    assert one.metrics["total"]["mean"] != other.metrics["total"]["mean"]  # the draws differ
+    assert "draws" not in one.per_prompt[0] and "draw_means" not in one.metrics["total"]
+
+
 def test_evaluation_samples_are_the_plain_euler_ode_of_the_training_loop(policy):
     """Evaluation runs the trainer's denoising loop at noise level 0: x' = x + v (sigma' - sigma)
     from the generator's sequential draws, written out here independently."""
@@ -241,6 +261,8 @@ def test_evaluate_rejects_bad_input(policy, reward_fn):
         _evaluate(policy, reward_fn, prompts=[])
     with pytest.raises(ValueError, match="2 metadata entries for 7 prompts"):
         _evaluate(policy, reward_fn, metadata=[{}, {}])
+    with pytest.raises(ValueError, match="samples_per_prompt must be at least 1; got 0"):
+        _evaluate(policy, reward_fn, samples_per_prompt=0)
 
 
 # ------------------------------------------------------------------------------ grids
@@ -382,6 +404,11 @@ def test_not_applicable_scores_are_left_out_of_means_and_written_as_null(policy,
     json.loads((tmp_path / "metrics.json").read_text(), parse_constant=no_nan)
     assert evaluation.score_stats([float("nan")]) == {"mean": None, "std": None, "count": 0}
     assert result.log_dict() == {"eval/total_mean": 1.0, "eval/total_std": 0.0}
+    # Several draws: a prompt's score is the mean over the draws it applies to, still null where none.
+    result = _evaluate(policy, reward, max_batches=2, samples_per_prompt=2)
+    assert result.metrics["total"] == {"mean": 1.0, "std": 0.0, "count": 2, "draw_means": [1.0, 1.0]}
+    assert [r["scores"]["total"] for r in result.per_prompt] == [1.0, None, None, None]
+    assert result.per_prompt[1]["draws"] == [{"total": None}, {"total": None}]
 
 
 def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
@@ -411,6 +438,11 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
     assert (args.prompts, args.batch_size, args.max_batches, args.seed) == ("held_out.txt", 32, 4, 3)
     args = eval_genrl.parse_args(["--model", str(export), "--batch_size", "2", "--max_batches", "0"])
     assert (args.batch_size, args.max_batches) == (2, 0)
+    assert args.samples_per_prompt == 1
+    config["args"].update(eval_samples_per_prompt=4)
+    (export / "genrl_config.json").write_text(json.dumps(config))
+    assert eval_genrl.parse_args(["--model", str(export)]).samples_per_prompt == 4
+    assert eval_genrl.parse_args(["--model", str(export), "--samples_per_prompt", "2"]).samples_per_prompt == 2
 
 
 def test_sample_captions_stay_smaller_than_a_32px_sample(tmp_path):

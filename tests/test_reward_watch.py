@@ -84,10 +84,11 @@ def test_held_out_rewards_are_the_weight_0_ones_not_trained_on():
     (["--eval_diversity_samples", "1"],
      "--eval_diversity_prompts must be >= 0 and --eval_diversity_samples >= 2 (diversity compares samples), got 8 and 1."),
     (["--watch_patience", "0"], "--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got 0 and 0.5."),
+    (["--eval_samples_per_prompt", "0"], "--eval_samples_per_prompt must be at least 1, got 0."),
     (["--watch_diversity_fraction", "1.5"],
      "--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got 3 and 1.5."),
 ])
-def test_bad_watch_settings_are_one_sentence(tmp_path, capsys, extra, expected):
+def test_bad_evaluation_and_watch_settings_are_one_sentence(tmp_path, capsys, extra, expected):
     with pytest.raises(SystemExit):
         train_args.parse_args(["--output_dir", str(tmp_path / "out"), *extra])
     assert capsys.readouterr().err.strip().splitlines()[-1] == f"train_genrl.py: error: {expected}"
