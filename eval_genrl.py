@@ -16,6 +16,7 @@ The numbers depend only on the arguments, not on the number of processes (see
 """
 
 import argparse
+import faulthandler
 import gc
 import json
 import logging
@@ -296,4 +297,7 @@ def run(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # A native crash (a SIGABRT from a communication library, a segfault) prints every thread's
+    # Python stack, so a rank that dies without a traceback still says where it was.
+    faulthandler.enable(all_threads=True)
     run()

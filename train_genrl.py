@@ -13,6 +13,7 @@ advantage-weighted flow matching on the clean samples noised again (nft, awm). T
 the no-argument run's values are in genrl/train_args.py.
 """
 
+import faulthandler
 import glob
 import logging
 import os
@@ -401,4 +402,7 @@ def run(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    # A native crash (a SIGABRT from a communication library, a segfault) prints every thread's
+    # Python stack, so a rank that dies without a traceback still says where it was.
+    faulthandler.enable(all_threads=True)
     run()
