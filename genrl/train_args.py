@@ -41,7 +41,10 @@ DEFAULT_RUN = dict(
     rollout_batches_per_epoch=4,
     train_batch_size=32,
     gradient_accumulation_steps=2,
-    max_train_steps=200,
+    # 260 optimizer steps (130 epochs): over four evaluation noises the curve still rises after
+    # step 200 (0.728 -> 0.747 on seeds 2-5), in about 8 minutes on 2 CPU cores (README "Learning").
+    max_train_steps=260,
+    num_epochs=130,
     eval_steps=20,
     eval_batch_size=32,
     eval_max_batches=4,
