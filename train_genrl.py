@@ -37,8 +37,8 @@ from genrl.checkpointing import (
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
-    build_accelerator, configure_deepspeed, describe_timeout, peak_memory_gb, describe_weight_dtypes, settle_zero3_params,
-    size_zero3_buckets, weight_dtypes, zero_init_disabled,
+    build_accelerator, configure_deepspeed, cpu_threads_per_process, describe_timeout, peak_memory_gb,
+    describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
@@ -95,6 +95,10 @@ def main(args):
         os.makedirs(args.output_dir, exist_ok=True)
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
+    if args.cpu_threads is not None and accelerator.device.type == "cpu":
+        local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
+        torch.set_num_threads(cpu_threads_per_process(args.cpu_threads, len(os.sched_getaffinity(0)), local_processes))
+        logger.info(f"{torch.get_num_threads()} torch thread(s) per process on the CPU (--cpu_threads {args.cpu_threads}).")
     device = accelerator.device
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)
     if args.attention_backend:  # a missing package or kernel fails now, not after minutes of loading models

@@ -194,7 +194,8 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
     """One train_genrl.py run; returns its eval curve ``{"steps", "elapsed", "scores"}``."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"),
-               *objective_args(objective), *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none"]
+               *objective_args(objective), *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none",
+               "--cpu_threads", str(threads)]  # the bench's share of the cores, not the no-argument run's all
     if args.max_train_steps:
         command += ["--max_train_steps", str(args.max_train_steps)]
     if args.eval_steps:

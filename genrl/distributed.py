@@ -77,6 +77,17 @@ def build_accelerator(
     )
 
 
+def cpu_threads_per_process(requested: int, cores: int, local_processes: int) -> int:
+    """Torch threads of each process training on the CPU: ``requested`` when > 0, else
+    max(1, cores // local_processes), the machine's cores shared among its processes.
+
+    ``accelerate launch`` without a config sets OMP_NUM_THREADS=1 for a CPU run, so a 2-core
+    machine would otherwise leave one core idle."""
+    if requested < 0:
+        raise ValueError(f"cpu_threads must be >= 0 (0: the cores shared among the processes), got {requested}.")
+    return requested if requested > 0 else max(1, cores // max(1, local_processes))
+
+
 def describe_timeout(err: BaseException, timeout_s: float) -> str | None:
     """One sentence for a collective that timed out waiting for a peer (rank and operation
     named), or None when ``err`` is something else."""

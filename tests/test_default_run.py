@@ -72,3 +72,19 @@ def test_the_no_argument_nft_trains_every_step_of_its_sigma_range():
     inside = steps_in_sigma_range(sigmas, args.train_sigma_range)
     assert train_args.num_trained_timesteps(args) == len(inside) == 6
     assert sigmas[inside].min() >= 0.4 and sigmas[len(inside)] < 0.4  # the 6 noisiest steps
+
+
+def test_the_no_argument_run_uses_every_core_and_a_user_can_say_how_many():
+    """`accelerate launch` sets OMP_NUM_THREADS=1 for a CPU run: the demo would leave cores idle."""
+    from genrl.distributed import cpu_threads_per_process
+
+    assert parse_args([]).cpu_threads == 0
+    assert parse_args(["--cpu_threads", "1"]).cpu_threads == 1
+    assert cpu_threads_per_process(0, cores=2, local_processes=1) == 2
+    assert cpu_threads_per_process(0, cores=16, local_processes=2) == 8
+    assert cpu_threads_per_process(0, cores=2, local_processes=4) == 1  # never 0
+    assert cpu_threads_per_process(3, cores=2, local_processes=1) == 3  # asked for: given
+    with pytest.raises(ValueError, match="cpu_threads must be >= 0"):
+        cpu_threads_per_process(-1, cores=2, local_processes=1)
+    with pytest.raises(SystemExit):
+        parse_args(["--cpu_threads", "-2"])
