@@ -14,7 +14,7 @@ numbers.
 Several samples per prompt (``samples_per_prompt`` = K, GenEval's protocol draws 4): draw k
 re-samples every prompt from the noise of the evaluation at seed ``seed + 1000 k``, so draw 0
 is the one-sample evaluation, bit for bit, and K draws score what K separate evaluations at
-seeds 0, 1000, ... would. One evaluation of a toy run's 122 prompts moves by about 0.02 with
+seeds seed, seed + 1000, ... would. One evaluation of a toy run's 122 prompts moves by about 0.02 with
 the noise alone; the mean over K draws moves about sqrt(K) times less.
 
 Every process runs the same number of batches (one with none left re-runs its last one and
