@@ -33,9 +33,11 @@ def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_p
     proc = run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4",
                                                   "--lora_alpha", "4", "--beta", "0.1", "--lora_target_modules", "to_q,to_v",
                                                   "--mixed_precision", "bf16", "--gradient_checkpointing",
-                                                  "--reward_mode", "sync"))
+                                                  "--reward_mode", "sync", "--cpu_threads", "2"))
     # Without DeepSpeed bf16 is autocast: the adapter stays float32.
     assert "Trained weights in float32, the optimizer's master weights in float32." in proc.stderr + proc.stdout
+    # accelerate launch would leave the process one thread (OMP_NUM_THREADS=1); the flag gives it two.
+    assert "2 torch thread(s) per process on the CPU (--cpu_threads 2)." in proc.stderr + proc.stdout
     lora = load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
     assert lora and all("lora" in k for k in lora)
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in lora.items()), "LoRA B stayed zero: nothing trained"
