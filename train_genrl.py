@@ -97,7 +97,8 @@ def main(args):
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.cpu_threads is not None and accelerator.device.type == "cpu":
         local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", accelerator.num_processes))
-        torch.set_num_threads(cpu_threads_per_process(args.cpu_threads, len(os.sched_getaffinity(0)), local_processes))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)  # not on macOS
+        torch.set_num_threads(cpu_threads_per_process(args.cpu_threads, cores, local_processes))
         logger.info(f"{torch.get_num_threads()} torch thread(s) per process on the CPU (--cpu_threads {args.cpu_threads}).")
     device = accelerator.device
     weight_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(accelerator.mixed_precision, torch.float32)

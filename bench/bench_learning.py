@@ -217,8 +217,9 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
 def final_over_noise(run_dir: str, draws: int, threads: int, score: str) -> list[float]:
     """The run's final weights evaluated from ``draws`` noises by one ``eval_genrl.py
     --samples_per_prompt draws`` with the run's own evaluation settings (draw k: the noise of
-    seed 1000 k; with the default ``--eval_seed 0`` draw 0 is the trainer's own, so it repeats
-    the curve's last point); returns each draw's mean. At fixed weights one evaluation of the toy
+    the run's evaluation seed + 1000 k, so the run's own K evaluation draws are the first K here
+    and, for K <= draws, the mean of those repeats the curve's last point); returns each draw's
+    mean. At fixed weights one evaluation of the toy
     run's 122 held-out prompts, one sample each, moves by about 0.02 from one noise to the next,
     as much as the seeds' spread: the mean over draws measures the weights, not the draw."""
     if draws < 1:
