@@ -306,14 +306,15 @@ def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float |
 
 
 def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None,
-                    guidance_scale: float | None = None) -> list[float]:
-    """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it."""
+                    guidance_scale: float | None = None, samples_per_prompt: int = 1) -> list[float]:
+    """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it
+    (the mean over ``samples_per_prompt`` noises, ``genrl.evaluation.draw_seed``)."""
     from genrl.evaluation import evaluate
 
     prompts, reward_fn, config, run = eval_setting(batches, guidance_scale)
     result = evaluate(policy, policy.transformer, prompts.prompts, reward_fn, seed=seed, batch_size=run["eval_batch_size"],
                       max_batches=run["eval_max_batches"], config=config, device="cpu", metadata=prompts.metadata,
-                      keep_samples=0)
+                      keep_samples=0, samples_per_prompt=samples_per_prompt)
     return [r["scores"]["toy_geneval"] for r in result.per_prompt]
 
 
@@ -335,7 +336,8 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
                        model: str | None = None, guidance_scale: float | None = None, noise_draws: int = 0) -> dict:
     """The toy model (``model``, default the shipped one) fine-tuned on ground-truth scenes of
     the train prompts for ``steps`` flow steps, evaluated every ``eval_every`` steps and at the
-    end; the ceiling is the best of these evaluations (a plateau shows the fine-tune was long
+    end as the no-argument run evaluates (its ``eval_samples_per_prompt`` noises per prompt);
+    the ceiling is the best of these evaluations (a plateau shows the fine-tune was long
     enough), ``curve`` holds them all as ``[step, score]``. The best of several noisy evaluations
     is biased upwards, so ``final_noise_mean`` also scores the final weights on ``noise_draws``
     noises (seeds 0, 1000, ..., as the runs' ``final_over_noise``)."""
@@ -361,7 +363,8 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
 
     def score(step: int) -> None:
         begin = time.perf_counter()
-        curve.append([step, statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale))])
+        draws = train_args.DEFAULT_RUN.get("eval_samples_per_prompt", 1)
+        curve.append([step, statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale, draws))])
         eval_s[0] += time.perf_counter() - begin
         print(f"  supervised step {step}: held-out toy_geneval {curve[-1][1]:.4f}", flush=True)
 
@@ -373,9 +376,9 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
     best = max(curve, key=lambda point: point[1])
     # How many steps labelled scenes need to each threshold: the pace RL's steps compare with.
     reach = {"steps": [step for step, _ in curve], "scores": [value for _, value in curve]}
-    noise = [statistics.fmean(held_out_scores(policy, 1000 * draw, batches, guidance_scale)) for draw in range(noise_draws)]
+    final_noise_mean = statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale, noise_draws)) if noise_draws else None
     return {"bench": "learning", "ceiling": "supervised", "score": best[1], "steps": best[0], "curve": curve,
-            "train_s": seconds, "final_noise_mean": statistics.fmean(noise) if noise else None,
+            "train_s": seconds, "final_noise_mean": final_noise_mean,
             **{f"steps_to_{t}": first_reaching(reach, t, "steps") for t in THRESHOLDS}}
 
 
