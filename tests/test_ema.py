@@ -82,3 +82,22 @@ def test_an_update_with_a_given_decay_uses_it_instead_of_its_own():
     assert torch.equal(ema.shadow[0], torch.tensor([1.5, 1.0]))
     ema.update(decay=0.0)  # a decay of 0 copies the weights
     assert torch.equal(ema.shadow[0], torch.tensor([2.0, 0.0]))
+
+
+def test_zero3_writes_go_in_groups_of_one_kind_and_bounded_size(monkeypatch):
+    """Under ZeRO-3 swaps rebuild the parameters a group at a time (one all-gather each): a group
+    holds consecutive parameters of one dtype and device, at most WRITE_GROUP_ELEMENTS full
+    elements, and a larger parameter goes alone. (The writes themselves run in the 2-process
+    ZeRO-3 tests, whose EMA export must equal DDP's.)"""
+    from types import SimpleNamespace
+
+    from genrl import ema as ema_module
+
+    monkeypatch.setattr(ema_module, "WRITE_GROUP_ELEMENTS", 10)
+
+    def param(numel, dtype=torch.float32):  # what ZeRO-3 leaves: a 1-D shard and the full size
+        return SimpleNamespace(ds_tensor=torch.zeros(1, dtype=dtype), ds_numel=numel)
+
+    params = [param(4), param(6), param(3), param(25), param(2), param(2, torch.bfloat16), param(2, torch.bfloat16)]
+    assert list(ema_module._write_groups(params)) == [[0, 1], [2], [3], [4], [5, 6]]
+    assert list(ema_module._write_groups([])) == []
