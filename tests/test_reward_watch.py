@@ -130,7 +130,7 @@ def test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving(tm
             "--max_train_steps", "6", "--eval_steps", "1", "--eval_max_batches", "1",
             "--rollout_batch_size", "16", "--rollout_batches_per_epoch", "1", "--train_batch_size", "16",
             "--gradient_accumulation_steps", "1", "--watch_patience", "2", "--watch_diversity_fraction", "0.8",
-            "--checkpointing_steps", "1",
+            "--checkpointing_steps", "1", "--eval_samples_per_prompt", "1",  # one noise: the alarm, not the score
             "--stop_on_reward_hacking", "--output_dir", str(out), "--report_to", "none"]
     proc = subprocess.run(launch_command("train_genrl.py", args), env=script_env(), capture_output=True, text=True,
                           timeout=600)
