@@ -40,15 +40,14 @@ WRITE_GROUP_ELEMENTS = 1 << 25
 def _write_groups(params: list[torch.nn.Parameter]) -> Iterator[list[int]]:
     """Indices of consecutive partitioned parameters of one dtype and device, each group holding
     at most ``WRITE_GROUP_ELEMENTS`` full elements (a larger parameter on its own)."""
-    group, size = [], 0
+    group, size, kind = [], 0, None
     for i, p in enumerate(params):
-        same_kind = not group or (p.ds_tensor.dtype, p.ds_tensor.device) == (params[group[0]].ds_tensor.dtype,
-                                                                             params[group[0]].ds_tensor.device)
-        if group and (not same_kind or size + p.ds_numel > WRITE_GROUP_ELEMENTS):
+        this_kind = (p.ds_tensor.dtype, p.ds_tensor.device)
+        if group and (this_kind != kind or size + p.ds_numel > WRITE_GROUP_ELEMENTS):
             yield group
             group, size = [], 0
         group.append(i)
-        size += p.ds_numel
+        size, kind = size + p.ds_numel, this_kind
     if group:
         yield group
 
