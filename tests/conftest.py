@@ -11,8 +11,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+import atexit
+import json
+import select
+import signal
 import socket
 import subprocess
+import tempfile
+import time
 
 import pytest
 
@@ -50,12 +56,109 @@ def launch_command(script: str, args: list[str], config: str | None = None, num_
     ]
 
 
+class ScriptServer:
+    """The client of ``tests/_script_server.py``: one pre-imported interpreter per test worker,
+    started on first use, that runs ``python train_genrl.py ...`` (or ``eval_genrl.py``) in a
+    forked child, without the ~13 s of imports a fresh interpreter pays (README "Tests")."""
+
+    SCRIPTS = ("train_genrl.py", "eval_genrl.py")
+
+    def __init__(self):
+        self.env = script_env()
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "_script_server.py")], cwd=ROOT, env=self.env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+        )
+        self.pending = b""
+        assert self.reply(timeout=300) == {"ready": True}, "the script server did not start"
+
+    # Variables that may differ from the server's without changing what its imports did: pytest's
+    # name of the current test, and what importing torch and OpenCV set themselves.
+    NEUTRAL = {"PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "LD_LIBRARY_PATH"}
+
+    def serves(self, env: dict) -> bool:
+        """Whether a run in ``env`` can fork from this server: libraries read some variables
+        (the Hub's HF_HOME, HF_HUB_OFFLINE, tokens and endpoints) when they are imported, so any
+        other difference from the server's environment needs a fresh interpreter."""
+        return all(env.get(k) == self.env.get(k) for k in set(env) | set(self.env) if k not in self.NEUTRAL)
+
+    def reply(self, timeout: float) -> "dict | None":
+        """The server's next line as a dict, or None if none came within ``timeout`` seconds.
+        Unbuffered reads, so that a line already received is never hidden from select."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.pending:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                return None
+            chunk = os.read(self.proc.stdout.fileno(), 4096)
+            if not chunk:
+                raise RuntimeError(f"the script server exited ({self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, script: str, args: list[str], cwd: str, env: dict, timeout: float, text: bool) -> subprocess.CompletedProcess:
+        """What ``subprocess.run([python, script, *args], capture_output=True)`` returns."""
+        with tempfile.TemporaryDirectory() as logs:
+            out, err = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
+            request = {"script": os.path.join(ROOT, script), "args": [str(a) for a in args], "cwd": str(cwd),
+                       "env": env, "out": out, "err": err}
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+            pid = self.reply(timeout=60)["pid"]
+            done = self.reply(timeout)
+            timed_out = done is None
+            if timed_out:
+                os.kill(pid, signal.SIGKILL)  # the child this server forked for this call
+                done = self.reply(timeout=60)
+            returncode = done["returncode"]
+            mode = "r" if text else "rb"
+            with open(out, mode) as f_out, open(err, mode) as f_err:
+                stdout, stderr = f_out.read(), f_err.read()
+        argv = [sys.executable, script, *args]
+        if timed_out:
+            raise subprocess.TimeoutExpired(argv, timeout, output=stdout, stderr=stderr)
+        return subprocess.CompletedProcess(argv, returncode, stdout, stderr)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+_server: "ScriptServer | None" = None
+
+
+def script_server() -> ScriptServer:
+    """This worker's ScriptServer, started on first use and closed when the worker exits."""
+    global _server
+    if _server is None:
+        _server = ScriptServer()
+        atexit.register(_server.close)
+    return _server
+
+
+def run_python(script: str, args: list[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 600,
+               text: bool = True) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` run to completion with its output captured. The top-level
+    scripts run through the worker's ScriptServer where the environment allows; anything else
+    (another script, Hub variables of its own) in a fresh interpreter."""
+    env = script_env() if env is None else env
+    if script in ScriptServer.SCRIPTS and script_server().serves(env):
+        return script_server().run(script, args, cwd, env, timeout, text)
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=env,
+                          capture_output=True, text=text, timeout=timeout)
+
+
 def run_script(script: str, args: list[str], config: str | None = None, num_processes: int = 1, timeout: int = 600):
-    """Run a top-level script to completion; fail the test with its output if it fails."""
-    proc = subprocess.run(
-        launch_command(script, args, config, num_processes), cwd=ROOT, env=script_env(),
-        capture_output=True, text=True, timeout=timeout,
-    )
+    """Run a top-level script to completion; fail the test with its output if it fails. Without
+    a config it runs as ``python <script>`` (run_python), with one through ``accelerate launch``."""
+    if config is None:
+        proc = run_python(script, args, timeout=timeout)
+    else:
+        proc = subprocess.run(
+            launch_command(script, args, config, num_processes), cwd=ROOT, env=script_env(),
+            capture_output=True, text=True, timeout=timeout,
+        )
     if proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
@@ -64,7 +167,8 @@ def run_script(script: str, args: list[str], config: str | None = None, num_proc
 # Tests that launch the real scripts or benchmarks as new processes (seconds to minutes each)
 # are marked slow, so that `pytest -m "not slow"` is the fast lane; the default run keeps them.
 # Whole modules of such tests, and fixtures that launch them for the tests that use them:
-SLOW_MODULES = {"test_train_distributed", "test_train_objectives", "test_train_script", "test_train_hub", "test_relative_paths"}
+SLOW_MODULES = {"test_train_distributed", "test_train_objectives", "test_train_script", "test_train_hub", "test_relative_paths",
+                "test_script_server"}
 SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
 
 

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from conftest import launch_command, script_env
+from conftest import run_python
 
 # A markdown image link, ![alt](target)
 _IMAGE_LINK = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
@@ -21,8 +21,7 @@ _HTML_SRC = re.compile(r'src="([^"]+)"')
 
 def run_in(cwd: str, script: str, args: list[str]) -> subprocess.CompletedProcess:
     """Run a top-level script with ``cwd`` as the working directory."""
-    return subprocess.run(launch_command(script, args), cwd=cwd, env=script_env(), capture_output=True, text=True,
-                          timeout=600)
+    return run_python(script, args, cwd=cwd)
 
 
 def train_args(cwd: str, model: str, prompts: str, *extra: str) -> list[str]:

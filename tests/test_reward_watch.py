@@ -4,12 +4,11 @@ card section, the plot panel, and a run built to hack that raises the alarm and 
 
 import json
 import os
-import subprocess
 
 import pytest
 import torch
 
-from conftest import launch_command, script_env, script_errors
+from conftest import run_python, script_errors
 
 from genrl import train_args
 from genrl.model_card import write_model_card
@@ -132,8 +131,7 @@ def test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving(tm
             "--gradient_accumulation_steps", "1", "--watch_patience", "2", "--watch_diversity_fraction", "0.8",
             "--checkpointing_steps", "1", "--eval_samples_per_prompt", "1",  # one noise: the alarm, not the score
             "--stop_on_reward_hacking", "--output_dir", str(out), "--report_to", "none"]
-    proc = subprocess.run(launch_command("train_genrl.py", args), env=script_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = run_python("train_genrl.py", args)
     assert proc.returncode == 1, proc.stderr[-3000:]
     errors = script_errors(proc.stderr)
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

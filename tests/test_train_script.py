@@ -224,13 +224,9 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
 def run_train(args: list[str], **env) -> "subprocess.CompletedProcess[bytes]":
     """train_genrl.py as a user runs it (a subprocess); bytes, so that tqdm's carriage returns
     are not counted as lines."""
-    import subprocess
-    import sys
+    from conftest import run_python, script_env
 
-    from conftest import script_env
-
-    return subprocess.run([sys.executable, os.path.join(ROOT, "train_genrl.py"), *args], env={**script_env(), **env},
-                          capture_output=True, timeout=600)
+    return run_python("train_genrl.py", args, env={**script_env(), **env}, text=False)
 
 
 def error_lines(proc) -> list[str]:
