@@ -1,5 +1,5 @@
 """The likelihood-free objectives (--objective nft / awm) through the real train_genrl.py:
-one process with LoRA and a KL term, and two processes: NFT under the shipped ZeRO-2 config,
+one process with LoRA and a KL term (through the shipped single_gpu config), and two processes: NFT under the shipped ZeRO-2 config,
 AWM under DDP. (That sharding leaves the weights unchanged is checked for GRPO in
 test_train_distributed; the forward-process draws depend on the sample alone, test_objectives.)"""
 
@@ -79,7 +79,7 @@ def test_a_soft_updated_sampling_policy_lags_the_weights_and_resumes_to_the_same
     out = str(tmp_path / "soft")
     args = objective_args(tiny_sd3, prompt_file, out, "nft", "--sampling_policy_decay_rate", "0.2",
                           "--num_epochs", "3", "--checkpointing_steps", "2", "--resume_from_checkpoint", "latest")
-    run_script("train_genrl.py", args, config="single_gpu")
+    run_script("train_genrl.py", args)
     assert [l["step"] for l in train_lines(out)] == [2, 4, 6]
     final = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
 
@@ -97,7 +97,7 @@ def test_a_soft_updated_sampling_policy_lags_the_weights_and_resumes_to_the_same
     # the uninterrupted one did (its later rollouts sample from the restored lagging weights).
     for name in ("checkpoint-4", "checkpoint-6", "transformer"):
         shutil.rmtree(os.path.join(out, name))
-    run_script("train_genrl.py", args, config="single_gpu")
+    run_script("train_genrl.py", args)
     resumed = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     diff = max((resumed[k] - final[k]).abs().max().item() for k in final)
     assert diff <= 1e-6, f"the resumed run ends {diff} away from the uninterrupted one"
@@ -113,7 +113,7 @@ def test_on_policy_nft_trains_as_if_every_old_velocity_were_recorded(tiny_sd3, p
     for name, extra in (("on-policy", ()), ("all-recorded", ("--sampling_policy_decay_rate", "1e-30"))):
         out = str(tmp_path / name)
         run_script("train_genrl.py", objective_args(tiny_sd3, prompt_file, out, "nft", *extra, "--num_inner_epochs",
-                                                    str(inner_epochs)), config="single_gpu")
+                                                    str(inner_epochs)))
         assert [l["step"] for l in train_lines(out)] == [2 * inner_epochs, 4 * inner_epochs]
         ends[name] = load_file(os.path.join(out, "transformer", "diffusion_pytorch_model.safetensors"))
     base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
