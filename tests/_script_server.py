@@ -9,7 +9,8 @@ directory, argv, stdout and stderr, ``__name__ == "__main__"``, and the interpre
 ``sys.exit`` or of an uncaught exception with its traceback). Only the imports are shared, and
 the child skips the interpreter's final teardown of the module graph (about 2.8 s of freeing
 objects that a fresh process pays at every exit). Multi-process runs still go through
-``accelerate launch`` (``conftest.launch_command``), and so do runs that need another environment.
+``accelerate launch`` (``conftest.launch_command``), and runs that need another environment
+(``conftest.ScriptServer.serves``) start a fresh interpreter.
 
 Protocol, one JSON object a line: a request ``{"script", "args", "cwd", "env", "out", "err"}`` on stdin
 is answered ``{"pid": ...}`` once the child runs, then ``{"returncode": ...}`` (negative: killed

@@ -222,8 +222,8 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
 
 
 def run_train(args: list[str], **env) -> "subprocess.CompletedProcess[bytes]":
-    """train_genrl.py as a user runs it (a subprocess); bytes, so that tqdm's carriage returns
-    are not counted as lines."""
+    """train_genrl.py as a user runs it (``python train_genrl.py``, conftest.run_python); bytes,
+    so that tqdm's carriage returns are not counted as lines."""
     from conftest import run_python, script_env
 
     return run_python("train_genrl.py", args, env={**script_env(), **env}, text=False)
