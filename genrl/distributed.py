@@ -56,11 +56,6 @@ def build_accelerator(
     shortage = gpu_shortage(local_processes, torch.cuda.device_count()) if launched else None
     if shortage:
         raise SetupError(shortage)
-    if cpu_only and deepspeed:
-        # DeepSpeed's CPU accelerator counts its "devices" as NUMA nodes by running `numactl`
-        # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
-        # reduce-scatter (~1,200 forks in a 3-step test run); its own launcher sets it so.
-        os.environ.setdefault("LOCAL_SIZE", str(local_processes))
     group = {"backend": "gloo"} if cpu_only else {}
     if collective_timeout_s:
         group["timeout"] = timedelta(seconds=collective_timeout_s)
@@ -71,7 +66,7 @@ def build_accelerator(
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = group["timeout"]
     # A single plain process has no process group: a backend there would make Accelerate ask for one.
     kwargs_handlers = [InitProcessGroupKwargs(**group)] if launched and group else []
-    return Accelerator(
+    accelerator = Accelerator(
         # Without CUDA, a multi_gpu (DDP) config becomes DDP over gloo on CPU; DeepSpeed keeps its own type.
         cpu=cpu_only and not deepspeed,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -80,6 +75,15 @@ def build_accelerator(
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=f"{output_dir}/{logging_dir}"),
         kwargs_handlers=kwargs_handlers,
     )
+    if cpu_only and deepspeed:
+        # DeepSpeed's CPU accelerator counts its "devices" as NUMA nodes by running `numactl`
+        # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
+        # reduce-scatter (~1,200 forks in a 3-step test run). Set only now, after its
+        # communication backend started: with LOCAL_SIZE set then, that backend opens a
+        # shared-memory all-reduce (unused by training) whose 66 MB per rank it never removes
+        # from /dev/shm, so every run would leave them in RAM until a reboot.
+        os.environ.setdefault("LOCAL_SIZE", str(local_processes))
+    return accelerator
 
 
 def cpu_threads_per_process(requested: int, cores: int, local_processes: int) -> int:

@@ -46,8 +46,21 @@ def exported_weights(output_dir: str, folder: str = "transformer") -> dict[str, 
     return load_file(os.path.join(output_dir, folder, "diffusion_pytorch_model.safetensors"))
 
 
+# What DeepSpeed's CPU backend names its shared-memory all-reduce buffers in /dev/shm.
+SHM_BUFFER_PREFIX = "deepspeed_allreduce_buffer"
+
+
+def shm_buffers() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(SHM_BUFFER_PREFIX)} if os.path.isdir("/dev/shm") else set()
+
+
 @pytest.fixture(scope="module")
-def runs(tiny_sd3, prompt_file, tmp_path_factory):
+def shm_before_runs() -> set[str]:
+    return shm_buffers()
+
+
+@pytest.fixture(scope="module")
+def runs(shm_before_runs, tiny_sd3, prompt_file, tmp_path_factory):
     """One 2-process run per config, same seed and data."""
     out = {}
     for config in CONFIGS:
@@ -57,6 +70,13 @@ def runs(tiny_sd3, prompt_file, tmp_path_factory):
             f.write(proc.stdout + proc.stderr)
         out[config] = output_dir
     return out
+
+
+def test_deepspeed_runs_leave_nothing_in_shared_memory(runs, shm_before_runs):
+    """With LOCAL_SIZE set when its communication backend starts, DeepSpeed's CPU backend opens a
+    shared-memory all-reduce of 66 MB per rank and never unlinks it: each run would keep that
+    in RAM (/dev/shm) until a reboot. The trainer sets LOCAL_SIZE only after that start."""
+    assert shm_buffers() - shm_before_runs == set()
 
 
 @pytest.mark.parametrize("config", CONFIGS)
