@@ -1,7 +1,8 @@
 """The likelihood-free objectives (--objective nft / awm) through the real train_genrl.py:
 one process with LoRA and a KL term (through the shipped single_gpu config), and two
-processes: NFT under the shipped ZeRO-2 config, AWM under DDP. (That sharding leaves the weights unchanged is checked for GRPO in
-test_train_distributed; the forward-process draws depend on the sample alone, test_objectives.)"""
+processes: NFT under the shipped ZeRO-2 config, AWM under DDP. (That sharding leaves the
+weights unchanged is checked for GRPO in test_train_distributed; the forward-process draws
+depend on the sample alone, test_objectives.)"""
 
 import json
 import os
