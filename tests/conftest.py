@@ -145,8 +145,8 @@ def run_python(script: str, args: list[str], cwd: str = ROOT, env: dict | None =
     env = script_env() if env is None else env
     if script in ScriptServer.SCRIPTS and script_server().serves(env):
         return script_server().run(script, args, cwd, env, timeout, text)
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *args], cwd=cwd, env=env,
-                          capture_output=True, text=text, timeout=timeout)
+    return subprocess.run(launch_command(script, args), cwd=cwd, env=env, capture_output=True, text=text,
+                          timeout=timeout)
 
 
 def run_script(script: str, args: list[str], config: str | None = None, num_processes: int = 1, timeout: int = 600):
