@@ -76,14 +76,29 @@ def build_accelerator(
         kwargs_handlers=kwargs_handlers,
     )
     if cpu_only and deepspeed:
+        if "LOCAL_SIZE" in os.environ:
+            # Set before the backend started (DeepSpeed's own launcher, MPI, the user): the backend
+            # has opened its shared-memory all-reduce buffers, which DeepSpeed never unlinks. Once
+            # every rank has mapped every buffer, each rank unlinks its own name; the mappings stay
+            # valid until the process ends, and nothing is left in RAM, even after a kill.
+            accelerator.wait_for_everyone()
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(deepspeed_shm_buffer_path(accelerator.process_index))
         # DeepSpeed's CPU accelerator counts its "devices" as NUMA nodes by running `numactl`
         # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
         # reduce-scatter (~1,200 forks in a 3-step test run). Set only now, after its
         # communication backend started: with LOCAL_SIZE set then, that backend opens a
-        # shared-memory all-reduce (unused by training) whose 66 MB per rank it never removes
-        # from /dev/shm, so every run would leave them in RAM until a reboot.
+        # shared-memory all-reduce (unused by training) of 66 MB per rank.
         os.environ.setdefault("LOCAL_SIZE", str(local_processes))
     return accelerator
+
+
+def deepspeed_shm_buffer_path(rank: int) -> str:
+    """The file of DeepSpeed's CPU shared-memory all-reduce buffer of ``rank`` (its shm.cpp:
+    ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` in /dev/shm). The
+    backend creates one per rank when LOCAL_SIZE equals the world size at its start."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    return os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
 
 
 def cpu_threads_per_process(requested: int, cores: int, local_processes: int) -> int:

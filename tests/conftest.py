@@ -149,14 +149,16 @@ def run_python(script: str, args: list[str], cwd: str = ROOT, env: dict | None =
                           timeout=timeout)
 
 
-def run_script(script: str, args: list[str], config: str | None = None, num_processes: int = 1, timeout: int = 600):
+def run_script(script: str, args: list[str], config: str | None = None, num_processes: int = 1, timeout: int = 600,
+               env: dict | None = None):
     """Run a top-level script to completion; fail the test with its output if it fails. Without
-    a config it runs as ``python <script>`` (run_python), with one through ``accelerate launch``."""
+    a config it runs as ``python <script>`` (run_python), with one through ``accelerate launch``.
+    ``env``: variables added to the scripts' environment."""
     if config is None:
-        proc = run_python(script, args, timeout=timeout)
+        proc = run_python(script, args, timeout=timeout, env={**script_env(), **env} if env else None)
     else:
         proc = subprocess.run(
-            launch_command(script, args, config, num_processes), cwd=ROOT, env=script_env(),
+            launch_command(script, args, config, num_processes), cwd=ROOT, env={**script_env(), **(env or {})},
             capture_output=True, text=True, timeout=timeout,
         )
     if proc.returncode != 0:

@@ -65,7 +65,10 @@ def runs(shm_before_runs, tiny_sd3, prompt_file, tmp_path_factory):
     out = {}
     for config in CONFIGS:
         output_dir = str(tmp_path_factory.mktemp(config))
-        proc = run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir), config=config, num_processes=2)
+        # The ZeRO-3 run has LOCAL_SIZE set before it starts, as DeepSpeed's own launcher sets it.
+        env = {"LOCAL_SIZE": "2"} if config == "zero3" else None
+        proc = run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir), config=config, num_processes=2,
+                          env=env)
         with open(os.path.join(output_dir, "launch.log"), "w") as f:
             f.write(proc.stdout + proc.stderr)
         out[config] = output_dir
@@ -75,7 +78,9 @@ def runs(shm_before_runs, tiny_sd3, prompt_file, tmp_path_factory):
 def test_deepspeed_runs_leave_nothing_in_shared_memory(runs, shm_before_runs):
     """With LOCAL_SIZE set when its communication backend starts, DeepSpeed's CPU backend opens a
     shared-memory all-reduce of 66 MB per rank and never unlinks it: each run would keep that
-    in RAM (/dev/shm) until a reboot. The trainer sets LOCAL_SIZE only after that start."""
+    in RAM (/dev/shm) until a reboot. The trainer sets LOCAL_SIZE only after that start (the
+    ZeRO-2 run), and where a launcher set it before (the ZeRO-3 run), unlinks the buffers once
+    every rank has mapped them."""
     assert shm_buffers() - shm_before_runs == set()
 
 
