@@ -237,17 +237,21 @@ def main(args):
     watch = RewardWatch.from_metrics(metrics_path if resume_path and accelerator.is_main_process else "", trained=trained,
                                      held_out=held_out, patience=args.watch_patience,
                                      diversity_fraction=args.watch_diversity_fraction)
+    sampled_per_epoch = args.rollout_batch_size * args.rollout_batches_per_epoch
+    trained_per_epoch = sampled_per_epoch // args.group_size * (args.train_samples_per_group or args.group_size)
     logger.info(
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
-        f"{args.rollout_batch_size * args.rollout_batches_per_epoch} samples per process per epoch, "
-        f"{n_train_steps} trained timesteps per sample"
+        f"{sampled_per_epoch} samples per process per epoch"
+        + (f" ({trained_per_epoch} trained: the {args.train_samples_per_group} of each group whose rewards vary most)"
+           if args.train_samples_per_group else "")
+        + f", {n_train_steps} trained timesteps per sample"
     )
     # One bar over the whole run (optimizer steps, ETA, latest rewards); per-phase bars would
     # print two lines per epoch.
     progress = tqdm(
         total=planned_steps(
             num_epochs=args.num_epochs, max_train_steps=args.max_train_steps,
-            samples_per_epoch=args.rollout_batch_size * args.rollout_batches_per_epoch,
+            samples_per_epoch=trained_per_epoch,
             train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
             num_inner_epochs=args.num_inner_epochs,
         ),
@@ -288,6 +292,7 @@ def main(args):
             reward_combine=args.reward_combine, std_mode=args.std_mode,
             adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
             micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+            train_samples_per_group=args.train_samples_per_group,
         )
 
         # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples noised

@@ -1,4 +1,5 @@
-"""GRPO advantages over one epoch's rewards, gathered from all ranks.
+"""GRPO advantages over one epoch's rewards, gathered from all ranks, and the choice of the
+samples to train on.
 
 Inputs are the already-gathered ``(N,)`` rewards of the epoch and the ``(N,)`` id of the
 prompt group each sample belongs to. Standard deviations are population stds
@@ -152,3 +153,36 @@ def balanced_keep_mask(advantages: torch.Tensor, micro_batch_size: int, eps: flo
         order = torch.sort(score, descending=True, stable=True).indices
         keep[p, order[:count]] = True
     return keep
+
+
+def max_variance_subset(scores: torch.Tensor, group_ids: torch.Tensor, size: int) -> torch.Tensor:
+    """PODS's max-variance down-sampling (Xu et al. 2025, "Not All Rollouts are Useful",
+    arXiv:2504.13818): which ``size`` samples of every prompt group to train on, ``(N,)`` bool for
+    ``(N,)`` ``scores`` (rewards or their advantages) and ``group_ids``.
+
+    Of a group's n scores in order, s_(1) <= ... <= s_(n), the m = ``size`` of largest population
+    variance are the j lowest and the m - j highest for some j in [0, m] (PODS's lemma), so the
+    m + 1 splits are tried:
+
+        S_j = {s_(1), ..., s_(j)} u {s_(n-m+j+1), ..., s_(n)},   j* = argmax_j Var(S_j).
+
+    Ties go to the most even split (|2j - m| smallest), then the lower j; equal scores are
+    ordered by index, so the choice is deterministic (a group of equal scores keeps its first
+    floor(m / 2) and last m - floor(m / 2) samples).
+    """
+    if scores.ndim != 1 or group_ids.shape != scores.shape:
+        raise ValueError(f"scores and group_ids must both be (N,), got {tuple(scores.shape)} and {tuple(group_ids.shape)}.")
+    if size < 1:
+        raise ValueError(f"size must be >= 1, got {size}.")
+    s, gid = scores.detach().double().cpu(), group_ids.cpu()
+    keep = torch.zeros(s.shape, dtype=torch.bool)
+    for g in torch.unique(gid):
+        members = (gid == g).nonzero().squeeze(1)
+        n = len(members)
+        if size > n:
+            raise ValueError(f"Cannot keep {size} samples of a group of {n}.")
+        ordered = members[torch.sort(s[members], stable=True).indices]
+        splits = [torch.cat([ordered[:j], ordered[n - size + j :]]) for j in range(size + 1)]
+        best = max(range(size + 1), key=lambda j: (float(s[splits[j]].var(unbiased=False)), -abs(2 * j - size), -j))
+        keep[splits[best]] = True
+    return keep.to(scores.device)

@@ -16,7 +16,9 @@ from typing import Sequence
 
 import torch
 
-from genrl.advantages import balanced_keep_mask, clip_advantages, combine_rewards, zero_std_ratio
+from genrl.advantages import (
+    balanced_keep_mask, clip_advantages, combine_rewards, max_variance_subset, zero_std_ratio,
+)
 from genrl.data import PromptSet
 from genrl.nan_guard import NonFiniteGuard
 from genrl.policies.base import FlowPolicy
@@ -89,8 +91,9 @@ class EpochAdvantages:
     """What the update trains on, on this process.
 
     advantages: ``(B,)`` float, the normalised and clipped advantage of each of this process's samples.
-    kept: ``(k,)`` long, the indices of the samples trained on (all B, or with
-        ``filter_zero_advantage`` the informative ones; k is the same on every process).
+    kept: ``(k,)`` long, the indices of the samples trained on (all B; with
+        ``train_samples_per_group`` the max-variance ones of each group; with
+        ``filter_zero_advantage`` the informative ones of those; k is the same on every process).
     logs: ``reward/<name>_mean``, ``reward/<name>_std`` over every process's samples,
         ``reward/zero_std_ratio``, ``train/kept_fraction`` (trained on) and
         ``train/informative_fraction`` (|A| > 1e-8, what ``filter_zero_advantage`` keeps before
@@ -113,11 +116,17 @@ def epoch_advantages(
     adv_clip_max: float,
     filter_zero_advantage: bool,
     micro_batch_size: int,
+    train_samples_per_group: int | None = None,
 ) -> EpochAdvantages:
     """Phase 5: gather ``rewards`` (``{name: (B,)}`` on each process, B the same everywhere)
     from every process, normalise them per prompt group (``group_ids``: ``(B,)`` long, the
     epoch-wide group of each local sample, ``PromptGroupSampler.group_ids``), clip at
-    ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``."""
+    ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``.
+
+    ``train_samples_per_group`` m: of each group only the m samples whose advantages vary most
+    are trained on (``max_variance_subset``), their advantages still normalised over the whole
+    group (its mean and std are the better estimates). Every rank holds whole groups, as many as
+    the others, so every rank keeps the same count."""
     device = accelerator.device
     names = list(weights)
     n_local = len(rewards[names[0]])
@@ -127,10 +136,15 @@ def epoch_advantages(
         combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
     )
     per_rank = advantages.view(accelerator.num_processes, n_local)
-    if filter_zero_advantage:
-        keep = balanced_keep_mask(per_rank, micro_batch_size)
+    if train_samples_per_group:
+        selected = max_variance_subset(advantages, group_ids, train_samples_per_group).view_as(per_rank)
     else:
-        keep = torch.ones_like(per_rank, dtype=torch.bool)
+        selected = torch.ones_like(per_rank, dtype=torch.bool)
+    keep = selected.clone()
+    if filter_zero_advantage:  # among the selected samples, which every rank holds as many of
+        index = selected.nonzero()[:, 1].view(accelerator.num_processes, -1)
+        chosen = balanced_keep_mask(per_rank.gather(1, index), micro_batch_size)
+        keep = torch.zeros_like(selected).scatter_(1, index, chosen)
     logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
     logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
     logs["reward/zero_std_ratio"] = zero_std_ratio(sum(weights[n] * gathered[n] for n in names), group_ids)

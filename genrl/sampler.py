@@ -33,6 +33,7 @@ def check_batch_sizes(
     batches_per_epoch: int,
     num_prompts: int | None = None,
     train_micro_batch_size: int | None = None,
+    train_samples_per_group: int | None = None,
 ) -> None:
     """Refuse batch sizes under which prompt groups would be split or ranks would drift.
 
@@ -40,7 +41,9 @@ def check_batch_sizes(
     ``--rollout_batch_size``), so one rank produces ``train_batch_size * batches_per_epoch``
     samples per epoch. That count must be a multiple of ``group_size`` (whole groups per rank)
     and, when given, of ``train_micro_batch_size`` (``--train_batch_size`` ×
-    ``--gradient_accumulation_steps``: whole optimizer steps in the update). Each error is one
+    ``--gradient_accumulation_steps``: whole optimizer steps in the update); with
+    ``train_samples_per_group`` m (2 <= m <= ``group_size``), the m trained samples of each group
+    are what must make whole optimizer steps. Each error is one
     sentence naming the trainer flag to change and a value that passes every check.
     """
     for name, value in (
@@ -70,6 +73,21 @@ def check_batch_sizes(
             f"{rollout} samples per process per epoch is not a multiple of --group_size {group_size}, so a prompt's "
             f"group would be split; use e.g. --rollout_batch_size {suggestion}."
         )
+    if train_samples_per_group is not None:
+        m = train_samples_per_group
+        if not 2 <= m <= group_size:
+            raise ValueError(
+                f"--train_samples_per_group must be between 2 (a group's advantages need two samples) and --group_size "
+                f"{group_size}, got {m}."
+            )
+        trained = per_rank // group_size * m
+        if train_micro_batch_size is not None and trained % train_micro_batch_size:
+            raise ValueError(
+                f"--train_samples_per_group {m} of each of the {per_rank // group_size} groups per process per epoch "
+                f"is {trained} samples, not a multiple of --train_batch_size × --gradient_accumulation_steps = "
+                f"{train_micro_batch_size}; change one of them or --rollout_batches_per_epoch."
+            )
+        return
     if train_micro_batch_size is not None and per_rank % train_micro_batch_size:
         below = max(d for d in range(1, train_micro_batch_size) if per_rank % d == 0)
         raise ValueError(

@@ -232,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "uses it with --grpo_guard).")
     group.add_argument("--filter_zero_advantage", action="store_true",
                        help="Drop zero-advantage samples (every rank keeps the same count).")
+    group.add_argument("--train_samples_per_group", type=int, default=None,
+                       help="Train on M of each group's --group_size samples: the M whose advantages vary most (PODS's "
+                            "max-variance down-sampling: the j worst and M - j best), normalised over the whole group. "
+                            "A larger group then costs rollouts, not training. Default: all of them.")
 
     group = parser.add_argument_group("optimisation")
     group.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
@@ -392,6 +396,7 @@ def validate_args(args) -> None:
         num_processes=num_processes,
         batches_per_epoch=args.rollout_batches_per_epoch,
         train_micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+        train_samples_per_group=args.train_samples_per_group,
     )
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")

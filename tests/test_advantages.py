@@ -8,6 +8,7 @@ from genrl.advantages import (
     clip_advantages,
     combine_rewards,
     group_advantages,
+    max_variance_subset,
     zero_std_ratio,
 )
 
@@ -157,3 +158,42 @@ def test_keep_mask_counts_are_equal_multiples_on_random_input():
 def test_keep_mask_refuses_micro_batch_larger_than_rank_rows():
     with pytest.raises(ValueError, match=r"micro_batch_size must be in \[1, 4\].*got 5"):
         balanced_keep_mask(torch.ones(2, 4), micro_batch_size=5)
+
+
+def test_max_variance_subset_by_hand():
+    """{2, 0, 10, 1}, keep 3: the splits are {0, 1, 2} (variance 0.67), {0, 1, 10} (20.2), {0, 2, 10}
+    (18.7) and {1, 2, 10} (16.2), so the two lowest and the highest; keep 2: {0, 10}."""
+    scores, one_group = torch.tensor([2.0, 0.0, 10.0, 1.0]), torch.zeros(4, dtype=torch.long)
+    assert max_variance_subset(scores, one_group, 3).tolist() == [False, True, True, True]
+    assert max_variance_subset(scores, one_group, 2).tolist() == [False, True, True, False]
+    assert max_variance_subset(scores, one_group, 4).all()
+
+
+def test_max_variance_subset_is_the_largest_variance_subset_of_every_group():
+    """Against every subset, on interleaved groups of random scores (ties included): each group
+    keeps exactly m samples, and no other m of it vary more."""
+    import itertools
+
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        n, m = 6, 2 + trial % 5
+        scores = torch.rand(3 * n, generator=generator)
+        if trial % 2:  # few distinct values: ties
+            scores = (scores * 3).floor()
+        group_ids = torch.arange(3 * n) % 3
+        keep = max_variance_subset(scores, group_ids, m)
+        for g in range(3):
+            members = (group_ids == g).nonzero().squeeze(1)
+            assert int(keep[members].sum()) == m
+            best = max(float(scores[list(c)].var(unbiased=False)) for c in itertools.combinations(members.tolist(), m))
+            assert float(scores[members][keep[members]].var(unbiased=False)) == pytest.approx(best, abs=1e-12)
+
+
+def test_max_variance_subset_breaks_ties_evenly_and_refuses_bad_sizes():
+    equal = torch.ones(5)
+    # Every split has variance 0: the most even one, the lower j of the two (1 lowest, 2 highest).
+    assert max_variance_subset(equal, torch.zeros(5, dtype=torch.long), 3).tolist() == [True, False, False, True, True]
+    with pytest.raises(ValueError, match="Cannot keep 6 samples of a group of 5"):
+        max_variance_subset(equal, torch.zeros(5, dtype=torch.long), 6)
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        max_variance_subset(equal, torch.zeros(5, dtype=torch.long), 0)

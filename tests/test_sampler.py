@@ -134,6 +134,10 @@ def test_check_batch_sizes_accepts_exactly_the_sizes_that_keep_groups_and_steps_
         (dict(train_micro_batch_size=3), r"--train_batch_size × --gradient_accumulation_steps = 3 does not divide the .* 8 "
                                          r"samples.*e\.g\. --train_batch_size 2 --gradient_accumulation_steps 1\.$"),
         (dict(num_processes=0), r"number of processes \(--num_processes\) must be a positive integer, got 0"),
+        (dict(train_samples_per_group=5), r"--train_samples_per_group must be between 2 .* --group_size 4, got 5\.$"),
+        (dict(train_samples_per_group=1), r"--train_samples_per_group must be between 2 .*, got 1\.$"),
+        (dict(train_samples_per_group=3, train_micro_batch_size=4), r"--train_samples_per_group 3 of each of the 2 groups "
+                                                                    r"per process per epoch is 6 samples, not a multiple.* = 4;"),
     ],
 )
 def test_check_batch_sizes_refuses_bad_sizes(kwargs, pattern):
@@ -141,6 +145,17 @@ def test_check_batch_sizes_refuses_bad_sizes(kwargs, pattern):
     sizes.update(kwargs)
     with pytest.raises(ValueError, match=pattern):
         check_batch_sizes(**sizes)
+
+
+def test_check_batch_sizes_counts_only_the_trained_samples_of_each_group():
+    """With --train_samples_per_group the micro batches divide the trained samples, not the sampled
+    ones: 2 groups of 8 per rank keep 3 each (6), which micro batches of 6 divide and of 4 do not."""
+    sizes = dict(group_size=8, train_batch_size=8, num_processes=2, batches_per_epoch=2, num_prompts=10)
+    check_batch_sizes(**sizes, train_micro_batch_size=6, train_samples_per_group=3)
+    with pytest.raises(ValueError, match="does not divide"):
+        check_batch_sizes(**sizes, train_micro_batch_size=6)
+    with pytest.raises(ValueError, match="is 6 samples, not a multiple"):
+        check_batch_sizes(**sizes, train_micro_batch_size=4, train_samples_per_group=3)
 
 
 def test_sampler_refuses_bad_sizes_and_rank():

@@ -121,3 +121,19 @@ def test_on_policy_nft_trains_as_if_every_old_velocity_were_recorded(tiny_sd3, p
     assert any(not torch.equal(ends["on-policy"][k], base[k]) for k in base), "training did not change any weight"
     for key, value in ends["all-recorded"].items():
         torch.testing.assert_close(ends["on-policy"][key], value, rtol=1e-5, atol=1e-6)
+
+
+def test_two_processes_train_only_the_max_variance_samples_of_each_group(tiny_sd3, prompt_file, tmp_path):
+    """--train_samples_per_group under ZeRO-2: each rank samples one group of 8 and trains 4 of
+    them, so an epoch takes half the optimizer steps of training all 8, on both ranks alike."""
+    out = str(tmp_path / "nft-pods")
+    args = objective_args(tiny_sd3, prompt_file, out, "nft", "--train_samples_per_group", "4")
+    args[args.index("--group_size") + 1] = "8"
+    args[args.index("--rollout_batch_size") + 1] = "8"
+    proc = run_script("train_genrl.py", args, config="zero2", num_processes=2)
+    assert "8 samples per process per epoch (4 trained: the 4 of each group whose rewards vary most)" in proc.stderr
+    lines = train_lines(out)
+    # 4 trained samples x 2 timesteps in micro batches of 2: 4 backward passes, 2 to an optimizer step.
+    assert [l["step"] for l in lines] == [2, 4]
+    assert [l["train/kept_fraction"] for l in lines] == [0.5, 0.5]
+    assert all(torch.isfinite(torch.tensor(l["train/policy_loss"])) for l in lines)
