@@ -124,9 +124,12 @@ def epoch_advantages(
     ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``.
 
     ``train_samples_per_group`` m: of each group only the m samples whose advantages vary most
-    are trained on (``max_variance_subset``), their advantages still normalised over the whole
-    group (its mean and std are the better estimates). Every rank holds whole groups, as many as
-    the others, so every rank keeps the same count."""
+    are trained on (``max_variance_subset``), with advantages normalised again over those m, as
+    PODS does; the others get 0. Normalised over the whole group instead, a kept subset's
+    advantages need not sum to 0: once most samples of a prompt score high, the subset is the few
+    low ones and some high ones, its sum is strongly negative, and NFT pushed the weights away
+    (README "Objectives"). Every rank holds whole groups, as many as the others, so every rank
+    keeps the same count."""
     device = accelerator.device
     names = list(weights)
     n_local = len(rewards[names[0]])
@@ -135,11 +138,17 @@ def epoch_advantages(
     advantages = clip_advantages(
         combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
     )
-    per_rank = advantages.view(accelerator.num_processes, n_local)
     if train_samples_per_group:
-        selected = max_variance_subset(advantages, group_ids, train_samples_per_group).view_as(per_rank)
+        selected = max_variance_subset(advantages, group_ids, train_samples_per_group)
+        subset = {name: gathered[name][selected] for name in names}
+        advantages = torch.zeros_like(advantages)
+        advantages[selected] = clip_advantages(
+            combine_rewards(subset, weights, group_ids[selected], mode=reward_combine, std_mode=std_mode), adv_clip_max
+        )
     else:
-        selected = torch.ones_like(per_rank, dtype=torch.bool)
+        selected = torch.ones_like(advantages, dtype=torch.bool)
+    per_rank = advantages.view(accelerator.num_processes, n_local)
+    selected = selected.view_as(per_rank)
     keep = selected.clone()
     if filter_zero_advantage:  # among the selected samples, which every rank holds as many of
         index = selected.nonzero()[:, 1].view(accelerator.num_processes, -1)

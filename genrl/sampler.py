@@ -78,7 +78,7 @@ def check_batch_sizes(
         if not 2 <= m <= group_size:
             raise ValueError(
                 f"--train_samples_per_group must be between 2 (a group's advantages need two samples) and --group_size "
-                f"{group_size}, got {m}."
+                f"{group_size} (which trains every sample), got {m}."
             )
         trained = per_rank // group_size * m
         if train_micro_batch_size is not None and trained % train_micro_batch_size:

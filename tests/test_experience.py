@@ -31,13 +31,19 @@ def test_every_sample_is_trained_by_default(accelerator):
     assert torch.allclose(out.advantages, group_advantages(REWARDS, GROUPS))
 
 
-def test_train_samples_per_group_keeps_the_max_variance_samples_with_whole_group_advantages(accelerator):
+def test_train_samples_per_group_keeps_the_max_variance_samples_normalised_among_themselves(accelerator):
     """Group 0 (evenly spread) keeps its 2 lowest and 2 highest; group 1 keeps the outlier and its 3
-    lowest (a lopsided split varies more there). The advantages stay those of the whole groups."""
+    lowest (a lopsided split varies more there). Their advantages are normalised over the kept
+    samples, so each group's sum to 0 (over the whole group, group 1's kept four would sum to
+    +1.27); the others get 0."""
     out = advantages(accelerator, train_samples_per_group=4)
-    assert out.kept.tolist() == [0, 1, 6, 7, 8, 9, 10, 15]
+    kept = [0, 1, 6, 7, 8, 9, 10, 15]
+    assert out.kept.tolist() == kept
     assert out.logs["train/kept_fraction"] == 0.5
-    assert torch.allclose(out.advantages, group_advantages(REWARDS, GROUPS))
+    expected = torch.zeros(16)
+    expected[kept] = group_advantages(REWARDS[kept], GROUPS[kept])
+    assert torch.allclose(out.advantages, expected)
+    assert float(group_advantages(REWARDS, GROUPS)[kept[4:]].sum()) == pytest.approx(1.27, abs=0.01)
 
 
 def test_zero_advantage_filter_chooses_among_the_selected_samples(accelerator):

@@ -134,7 +134,7 @@ def test_check_batch_sizes_accepts_exactly_the_sizes_that_keep_groups_and_steps_
         (dict(train_micro_batch_size=3), r"--train_batch_size × --gradient_accumulation_steps = 3 does not divide the .* 8 "
                                          r"samples.*e\.g\. --train_batch_size 2 --gradient_accumulation_steps 1\.$"),
         (dict(num_processes=0), r"number of processes \(--num_processes\) must be a positive integer, got 0"),
-        (dict(train_samples_per_group=5), r"--train_samples_per_group must be between 2 .* --group_size 4, got 5\.$"),
+        (dict(train_samples_per_group=5), r"--train_samples_per_group must be between 2 .* --group_size 4 \(which trains every sample\), got 5\.$"),
         (dict(train_samples_per_group=1), r"--train_samples_per_group must be between 2 .*, got 1\.$"),
         (dict(train_samples_per_group=3, train_micro_batch_size=4), r"--train_samples_per_group 3 of each of the 2 groups "
                                                                     r"per process per epoch is 6 samples, not a multiple.* = 4;"),
