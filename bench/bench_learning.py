@@ -171,7 +171,8 @@ def setting_args(setting: str, workdir: str, base_model: str | None = None,
         return [
             "--pretrained_model_name_or_path", model, "--prompt_dataset", DEFAULT_TRAIN_PROMPTS,
             "--eval_prompt_dataset", DEFAULT_EVAL_PROMPTS, "--reward_fn", "temporal_smoothness",
-            "--eval_reward_fn", "temporal_smoothness", "--group_size", "4", "--rollout_batch_size", "16",
+            "--eval_reward_fn", "temporal_smoothness", "--group_size", "4", "--train_samples_per_group", "4",
+            "--rollout_batch_size", "16",
             "--rollout_batches_per_epoch", "1", "--train_batch_size", "8", "--gradient_accumulation_steps", "2",
             "--num_inference_steps", "8", "--guidance_scale", "1.0", "--learning_rate", "1e-3",
             "--max_train_steps", "60", "--eval_steps", "5", "--eval_batch_size", "8", "--eval_max_batches", "2",
@@ -182,7 +183,8 @@ def setting_args(setting: str, workdir: str, base_model: str | None = None,
     prompts = _write_prompts(os.path.join(workdir, "prompts.txt"), common.PROMPTS[:4])
     return [
         "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--eval_prompt_dataset", prompts,
-        "--reward_fn", "toy_geneval", "--group_size", "2", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
+        "--reward_fn", "toy_geneval", "--group_size", "2", "--train_samples_per_group", "2",
+        "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
         # One optimizer step per epoch (4 samples, one trained timestep each), so the curve has a
         # point after every step: evaluation runs at epoch ends.
         "--train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_inference_steps", "3",

@@ -38,13 +38,12 @@ DEFAULT_RUN = dict(
     objective="nft",
     guidance_scale=1.0,
     rollout_batch_size=32,
-    rollout_batches_per_epoch=4,
     train_batch_size=32,
     gradient_accumulation_steps=2,
-    # 260 optimizer steps (130 epochs): over four evaluation noises the curve still rises after
-    # step 200 (0.725 -> 0.748, six seeds; README "Learning").
-    max_train_steps=260,
-    num_epochs=130,
+    # 200 optimizer steps (100 epochs): NFT with PODS (below) is at 0.77, above the supervised
+    # ceiling, by then, in about the wall time the 260 steps of plain NFT took (README "Learning").
+    max_train_steps=200,
+    num_epochs=100,
     # Every 40 steps, each of the 122 held-out prompts from four noises: one noise moves the score by
     # about 0.025 at fixed weights, as much as 40 steps of training late in the run (README "Learning").
     eval_steps=40,
@@ -67,10 +66,15 @@ DEFAULT_RUN = dict(
 # re-noised at steps among the 6 noisiest of 10 (sigma >= 0.4), where the layout a prompt asks for
 # is decided (README "Learning": NFT reaches 0.6 in about two thirds of the steps). NFT trains all
 # 6 (timestep_fraction 0.6: steadier, README "Learning"); AWM 4, as many as GRPO's window.
+# NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
+# higher at the end than training all of 8, for 1.35x the epoch (README "Learning").
 DEFAULT_RUN_BY_OBJECTIVE = {
-    "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4),
-    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.6, train_sigma_range=[0.4, 1.0]),
-    "awm": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.4, train_sigma_range=[0.4, 1.0]),
+    "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
+                 rollout_batches_per_epoch=4),
+    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.6, train_sigma_range=[0.4, 1.0],
+                group_size=16, rollout_batches_per_epoch=8, train_samples_per_group=8),
+    "awm": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.4, train_sigma_range=[0.4, 1.0],
+                rollout_batches_per_epoch=4),
 }
 
 
@@ -234,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Drop zero-advantage samples (every rank keeps the same count).")
     group.add_argument("--train_samples_per_group", type=int, default=None,
                        help="Train on M of each group's --group_size samples: the M whose advantages vary most (PODS's "
-                            "max-variance down-sampling: the j worst and M - j best), normalised over the whole group. "
+                            "max-variance down-sampling: the j worst and M - j best), their advantages normalised among "
+                            "themselves. "
                             "A larger group then costs rollouts, not training. Default: all of them.")
 
     group = parser.add_argument_group("optimisation")
