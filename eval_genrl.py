@@ -30,7 +30,7 @@ from genrl.acceleration import (
 )
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
-from genrl.distributed import build_accelerator, zero_init_disabled
+from genrl.distributed import build_accelerator, end_processes, zero_init_disabled
 from genrl.errors import find_setup_error
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
@@ -280,7 +280,7 @@ def main(args):
             logger.info(line, main_process_only=True)
         logger.info(f"Wrote the evaluation to {os.path.abspath(args.output_dir)}", main_process_only=True)
     accelerator.wait_for_everyone()
-    accelerator.end_training()
+    end_processes(accelerator)
 
 
 def run(argv=None) -> None:

@@ -37,7 +37,7 @@ from genrl.checkpointing import (
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
-    build_accelerator, configure_deepspeed, cpu_threads_per_process, describe_timeout, peak_memory_gb,
+    build_accelerator, configure_deepspeed, cpu_threads_per_process, describe_timeout, end_processes, peak_memory_gb,
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
@@ -350,7 +350,7 @@ def main(args):
         args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes,
         watch_alarms=watch.alarms if watch.history else None,
     )
-    accelerator.end_training()
+    end_processes(accelerator, exit_code=1 if push_failed else 0)
     if push_failed:
         raise SystemExit(1)
 
