@@ -122,11 +122,13 @@ def test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving(tm
     # out: the trained reward rises while toy_geneval falls, from the first steps, and the samples
     # of a prompt turn alike (diversity 0.267, 0.240, 0.199 at steps 0-2, i.e. 0.90 and 0.75 of the
     # first: both alarms at step 2 with the fraction 0.8). Those figures are one trajectory: the
-    # run's settings are spelled out (4 trained timesteps) so that a change of the default keeps it.
+    # run's settings are spelled out (4 trained timesteps, 8 samples per prompt, all trained) so that
+    # a change of the default keeps it.
     out = tmp_path / "out"
     args = ["--reward_fn", "jpeg_compressibility", "--eval_reward_fn", "jpeg_compressibility,toy_geneval:0",
             "--learning_rate", "3e-4", "--timestep_fraction", "0.4",
             "--max_train_steps", "6", "--eval_steps", "1", "--eval_max_batches", "1",
+            "--group_size", "8", "--train_samples_per_group", "8",  # every sample, as the default trained before PODS
             "--rollout_batch_size", "16", "--rollout_batches_per_epoch", "1", "--train_batch_size", "16",
             "--gradient_accumulation_steps", "1", "--watch_patience", "2", "--watch_diversity_fraction", "0.8",
             "--checkpointing_steps", "1", "--eval_samples_per_prompt", "1",  # one noise: the alarm, not the score
