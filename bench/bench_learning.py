@@ -472,7 +472,11 @@ def main(args) -> list[dict]:
                               "steps_to_0.6", "steps_to_0.8", "s_to_0.6", "s_to_0.8", "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
     ceilings = []
     if not args.no_ceilings and args.setting != "video":
-        group_size = 2 if args.quick else 8
+        # K = the no-argument run's samples per prompt (its objective's preset: 16 for NFT with PODS).
+        from genrl import train_args
+
+        preset = {**train_args.DEFAULT_RUN, **train_args.DEFAULT_RUN_BY_OBJECTIVE[train_args.DEFAULT_RUN["objective"]]}
+        group_size = 2 if args.quick else preset.get("group_size", 8)
         ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
                     emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
                                                 args.base_model, args.guidance_scale, args.final_noise_draws))]
