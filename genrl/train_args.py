@@ -67,7 +67,7 @@ DEFAULT_RUN = dict(
 # is decided (README "Learning": NFT reaches 0.6 in about two thirds of the steps). NFT trains all
 # 6 (timestep_fraction 0.6: steadier, README "Learning"); AWM 4, as many as GRPO's window.
 # NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
-# higher at the end than training all of 8, for 1.35x the epoch (README "Learning").
+# higher at the end than training all of 8, for about 1.4x the epoch (README "Learning").
 DEFAULT_RUN_BY_OBJECTIVE = {
     "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
                  rollout_batches_per_epoch=4),
@@ -239,8 +239,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--train_samples_per_group", type=int, default=None,
                        help="Train on M of each group's --group_size samples: the M whose advantages vary most (PODS's "
                             "max-variance down-sampling: the j worst and M - j best), their advantages normalised among "
-                            "themselves. "
-                            "A larger group then costs rollouts, not training. Default: all of them.")
+                            "themselves. A larger group then costs rollouts, not training. Default: all of them.")
 
     group = parser.add_argument_group("optimisation")
     group.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
