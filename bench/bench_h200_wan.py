@@ -58,7 +58,7 @@ import torch
 
 import common
 from bench_rollout import measure_rollout
-from bench_train_step import build_single_process_accelerator, measure_ppo_step, ppo_step
+from bench_train_step import build_single_process_accelerator, build_zero2_bf16_accelerator, measure_ppo_step, ppo_step
 from common import PeakMemory, emit, synchronize
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json values.
@@ -144,6 +144,10 @@ def parse_args(argv=None):
     parser.add_argument("--compile", action="store_true",
                         help="Regional torch.compile of the transformer's blocks (train_genrl.py --compile); the "
                              "timed repeats follow one untimed warm-up that compiles.")
+    parser.add_argument("--bf16_weights", action="store_true",
+                        help="Weights in bf16 with fp32 master weights and Adam states: DeepSpeed ZeRO-2's bf16 mode in "
+                             "this one process, as `accelerate launch --config_file accelerate_configs/zero2.yaml "
+                             "--num_processes 1 --mixed_precision bf16 train_genrl.py` trains.")
     parser.add_argument("--attention_backend", type=str, default=None,
                         help="diffusers attention backend (train_genrl.py --attention_backend), e.g. _native_cudnn, flash.")
     parser.add_argument("--profile", action="store_true",
@@ -272,7 +276,9 @@ def main(args) -> list[dict]:
             "bench_h200_wan.py: the full Wan2.1-1.3B run needs a GPU (hours on a CPU); use --quick, or"
             " --num_layers 1 for a smoke test of the real width and shapes."
         )
-    mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" else "no")
+    mixed_precision = args.mixed_precision or ("bf16" if device.type == "cuda" or args.bf16_weights else "no")
+    if args.bf16_weights and mixed_precision != "bf16":
+        raise SystemExit("bench_h200_wan.py: --bf16_weights is DeepSpeed's bf16 mode; it takes --mixed_precision bf16.")
     weight_dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -283,7 +289,10 @@ def main(args) -> list[dict]:
 
     start = time.perf_counter()
     policy = build_policy(config, args.text_len, device, weight_dtype)
-    accelerator = build_single_process_accelerator(device, mixed_precision)
+    if args.bf16_weights:
+        accelerator = build_zero2_bf16_accelerator(args.train_batch_size)
+    else:
+        accelerator = build_single_process_accelerator(device, mixed_precision)
     transformer = policy.transformer.requires_grad_(True)
     if args.attention_backend:  # the same helpers as train_genrl.py's flags
         from genrl.acceleration import probe_attention_backend, set_attention_backend
@@ -312,7 +321,7 @@ def main(args) -> list[dict]:
         "text_len": args.text_len, "steps": args.num_inference_steps, "guidance_scale": args.guidance_scale,
         "forward_flops_per_sequence": flops_per_sequence, "peak_tflops": args.peak_tflops,
         "mem_kind": common.memory_kind(device), "compile": args.compile,
-        "attention_backend": args.attention_backend or "default",
+        "attention_backend": args.attention_backend or "default", "weights": str(next(model.parameters()).dtype).removeprefix("torch."),
     }
 
     model.eval()
@@ -338,7 +347,7 @@ def main(args) -> list[dict]:
         **train, "step_tflops": step_flops / 1e12, "mfu": step_flops / train["ppo_step_s"] / peak,
         "bare_fwd_bwd_mfu": step_flops / train["bare_fwd_bwd_s"] / peak, "repeats": args.train_repeats,
     }))
-    common.print_table(rows, ["phase", "params_m", "batch", "forward_batch", "rollout_s", "samples_per_s", "frames_per_s",
+    common.print_table(rows, ["phase", "weights", "compile", "attention_backend", "params_m", "batch", "forward_batch", "rollout_s", "samples_per_s", "frames_per_s",
                               "overhead_ratio", "ppo_step_s", "bare_fwd_bwd_s", "gradient_checkpointing", "mfu",
                               "peak_mem_mb"], title="Wan2.1-T2V-1.3B architecture, random weights")
     if args.profile:

@@ -99,10 +99,15 @@ def measure_ppo_step(
         timed_ppo_step()
     args, kwargs = captured[0]
 
+    # DeepSpeed's engine runs no backward without its optimizer step (its ZeRO gradient hooks
+    # expect one): under DeepSpeed the bare figure includes that step.
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+
     def bare_fwd_bwd():
         out = model(*args, **kwargs)
         out = out[0] if isinstance(out, (tuple, list)) else out.sample
-        out.float().square().mean().backward()
+        loss = out.float().square().mean()
+        accelerator.backward(loss) if deepspeed else loss.backward()
         optimizer.zero_grad()
 
     with PeakMemory(device) as bare_mem:
@@ -147,6 +152,30 @@ def build_single_process_accelerator(device: torch.device, mixed_precision: str)
     from accelerate import Accelerator
 
     return Accelerator(cpu=device.type == "cpu", mixed_precision=mixed_precision)
+
+
+def build_zero2_bf16_accelerator(micro_batch_size: int, max_grad_norm: float = 1.0):
+    """One process under DeepSpeed ZeRO-2 in its bf16 mode, as ``accelerate launch --config_file
+    accelerate_configs/zero2.yaml --num_processes 1 --mixed_precision bf16`` gives train_genrl.py:
+    bf16 weights in the forward and backward, fp32 master weights and Adam states in DeepSpeed's
+    optimizer. The launcher's environment is set here (variables already set are kept)."""
+    import os
+    import tempfile
+
+    from genrl.distributed import build_accelerator, configure_deepspeed
+
+    launcher_env = {
+        "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false", "ACCELERATE_GRADIENT_CLIPPING": str(max_grad_norm),
+        "ACCELERATE_MIXED_PRECISION": "bf16", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(common.free_port()),
+    }
+    for name, value in launcher_env.items():
+        os.environ.setdefault(name, value)
+    accelerator = build_accelerator(output_dir=tempfile.mkdtemp(prefix="genrl-bench-"), mixed_precision="bf16")
+    configure_deepspeed(accelerator, micro_batch_size=micro_batch_size, max_grad_norm=max_grad_norm)
+    return accelerator
 
 
 def parse_args(argv=None):

@@ -5,13 +5,16 @@
 #     bash bench/gpu_check.sh 2>&1 | tee gpu_check.log
 #
 # It prints, in order: the versions; bench_h200_wan.py (real-size Wan2.1-1.3B transformer,
-# random weights) with each speed lever off and on (rollout and PPO-step MFU, genrl against
-# the bare transformer, peak memory; torch.profiler tables of the plain run; which PPO micro batches
-# fit an 80 GB card with all levers on); the no-argument run's wall time and held-out scores;
+# random weights) with every speed lever off (with torch.profiler tables), all on (bf16 weights
+# through DeepSpeed's bf16 mode, regional compile, cuDNN attention; with the table of PPO micro
+# batches that fit an 80 GB card), then each alone: rollout and PPO-step MFU, genrl against the
+# bare transformer, peak memory; the no-argument run's wall time and held-out scores;
 # single-process ZeRO-2 / ZeRO-3 bf16 runs; and the tests that need a GPU. Each part runs on,
 # whatever the previous one did, and says FAILED with its exit status; the script's own exit
 # status is the number of parts that failed. Figures are printed, never asserted.
-# GPU_CHECK_QUICK=1 runs every part at toy size (on a CPU too): a check of the script itself.
+# GPU_CHECK_PARTS="levers tests ..." runs only the named parts, in that order (names: versions
+# levers each_lever default zero tests). GPU_CHECK_QUICK=1 runs every part at toy size (on a
+# CPU too): a check of the script itself.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -39,15 +42,24 @@ print('diffusers', diffusers.__version__, 'accelerate', accelerate.__version__, 
 'transformers', transformers.__version__)"
 }
 
-wan_bench() {  # the speed levers, each on its own and together
+wan_bench() {  # bench_h200_wan.py at the issue's shape with the given levers
     local size=()
     [ "$QUICK" = 1 ] && size=(--quick)
-    local backend=_native_cudnn
-    [ "$QUICK" = 1 ] && backend=native
-    python bench/bench_h200_wan.py "${size[@]}" --profile &&
-        python bench/bench_h200_wan.py "${size[@]}" --attention_backend "$backend" &&
-        python bench/bench_h200_wan.py "${size[@]}" --compile &&
-        python bench/bench_h200_wan.py "${size[@]}" --compile --attention_backend "$backend" --fit_table
+    python bench/bench_h200_wan.py "${size[@]}" "$@"
+}
+
+backend=_native_cudnn
+[ "$QUICK" = 1 ] && backend=native
+
+levers() {  # every lever off (with the profiler tables), then all on (with the 80 GB fit table)
+    wan_bench --profile &&
+        wan_bench --bf16_weights --compile --attention_backend "$backend" --fit_table
+}
+
+each_lever() {  # each lever on its own
+    wan_bench --bf16_weights &&
+        wan_bench --attention_backend "$backend" &&
+        wan_bench --compile
 }
 
 default_run() {  # the README's no-argument command, on the GPU; scores from its metrics
@@ -74,7 +86,11 @@ zero_runs() {  # single-process ZeRO-2 and ZeRO-3 in bf16, 10 optimizer steps ea
     python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || mixed=no
     for config in zero2 zero3; do
         local start=$SECONDS
+        local port
+        port=$(python -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])")
+        # A port of its own: other parts may run beside this one.
         accelerate launch --config_file "accelerate_configs/${config}.yaml" --num_processes 1 --mixed_precision "$mixed" \
+            --main_process_port "$port" \
             train_genrl.py --max_train_steps "$steps" --eval_steps 0 --eval_diversity_prompts 0 \
             --output_dir "$OUT/$config" || return $?
         echo "${config} ${mixed}: ${steps} steps and the export in $((SECONDS - start)) s"
@@ -82,15 +98,27 @@ zero_runs() {  # single-process ZeRO-2 and ZeRO-3 in bf16, 10 optimizer steps ea
     done
 }
 
-gpu_tests() {  # the tests that skip without a GPU, run where there is one
-    python -m pytest -q -n 0 -rs tests/test_reward_scoring.py tests/test_gpu_placement.py tests/test_acceleration.py
+gpu_tests() {  # the tests that skip without a GPU, and DeepSpeed's bf16 weights run where there is one
+    python -m pytest -q -n 0 -rs tests/test_gpu_levers.py tests/test_reward_scoring.py tests/test_gpu_placement.py \
+        tests/test_acceleration.py "tests/test_train_script.py::test_deepspeed_bf16_trains_bf16_weights_from_fp32_masters"
 }
 
-part "versions" versions
-part "bench_h200_wan: levers off and on" wan_bench
-part "no-argument run" default_run
-part "ZeRO-2 / ZeRO-3 bf16, one process" zero_runs
-part "GPU tests" gpu_tests
+# GPU_CHECK_PARTS picks parts and their order (a short lease can put the figures it needs first).
+declare -A PART_NAMES=(
+    [versions]="versions" [levers]="bench_h200_wan: levers off, then all on" [each_lever]="bench_h200_wan: each lever alone"
+    [default]="no-argument run" [zero]="ZeRO-2 / ZeRO-3 bf16, one process" [tests]="GPU tests"
+)
+declare -A PART_FUNCTIONS=(
+    [versions]=versions [levers]=levers [each_lever]=each_lever [default]=default_run [zero]=zero_runs [tests]=gpu_tests
+)
+for name in ${GPU_CHECK_PARTS:-versions levers each_lever default zero tests}; do
+    if [ -z "${PART_FUNCTIONS[$name]:-}" ]; then
+        echo "gpu_check: no part named ${name} (parts: ${!PART_FUNCTIONS[*]})"
+        FAILED=$((FAILED + 1))
+        continue
+    fi
+    part "${PART_NAMES[$name]}" "${PART_FUNCTIONS[$name]}"
+done
 echo
 echo "gpu_check: ${FAILED} part(s) failed; outputs in ${OUT}"
 exit "$FAILED"

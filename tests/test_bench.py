@@ -31,6 +31,7 @@ RUNS = {
     "zero2": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero2"]),
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
     "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick", "--profile", "--profile_rows", "5", "--fit_table"]),
+    "h200_wan_bf16": ("h200_wan", ["bench_h200_wan.py", "--quick", "--bf16_weights"]),
     "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2"]),
     "epoch": ("epoch", ["bench_epoch.py", "--quick", "--epochs", "3"]),
 }
@@ -187,6 +188,16 @@ def test_h200_script_quick_run_counts_its_flops(runs):
         positive(f, "mfu", "peak_mem_mb")
     positive(rollout, "rollout_s", "samples_per_s", "frames_per_s", "bare_forwards_s")
     positive(train, "ppo_step_s", "bare_fwd_bwd_s")
+
+
+def test_h200_script_bf16_weights_lever_trains_bf16_weights_under_deepspeed(runs):
+    _, plain = records(runs, "h200_wan")
+    _, figures = records(runs, "h200_wan_bf16")
+    assert {f["weights"] for f in plain[:2]} == {"float32"}  # bf16 autocast over fp32 weights
+    assert [f["phase"] for f in figures] == ["rollout", "train"]
+    for f in figures:
+        assert f["weights"] == "bfloat16" and f["mixed_precision"] == "bf16"
+    positive(figures[1], "ppo_step_s", "bare_fwd_bwd_s", "mfu", "peak_mem_mb")
 
 
 def test_learning_bench_runs_every_objective_and_both_ceilings(runs):

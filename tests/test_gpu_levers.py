@@ -1,0 +1,45 @@
+"""The speed levers together on a GPU (skipped without one): bf16 weights, cuDNN attention
+through diffusers' dispatcher and regional compile keep a Wan transformer's velocity and
+give finite gradients. Each lever alone is pinned on the CPU in test_acceleration.py and
+test_train_script.py (DeepSpeed's bf16 mode); this is the combination bench_h200_wan.py times."""
+
+import copy
+
+import pytest
+import torch
+
+from genrl.acceleration import compile_repeated_blocks, set_attention_backend
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+# Wan's layout at a small width; head_dim 64, which cuDNN's attention kernels take.
+SMALL_WAN = dict(
+    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=16, out_channels=16, text_dim=64,
+    freq_dim=32, ffn_dim=256, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    rope_max_seq_len=64,
+)
+
+
+def test_bf16_weights_cudnn_attention_and_compiled_blocks_keep_the_wan_velocity():
+    from diffusers import WanTransformer3DModel
+
+    torch.manual_seed(0)
+    reference = WanTransformer3DModel(**SMALL_WAN).cuda()
+    fast = copy.deepcopy(reference).to(torch.bfloat16)
+    set_attention_backend([fast], "_native_cudnn", device="cuda", dtype=torch.bfloat16)
+    assert compile_repeated_blocks(fast, fullgraph=True)
+    generator = torch.Generator("cuda").manual_seed(1)
+    latents = torch.randn(2, 16, 3, 16, 16, device="cuda", generator=generator)  # (B, C, F, H, W): 3 x 8 x 8 tokens
+    timestep = torch.tensor([700.0, 300.0], device="cuda")
+    text = torch.randn(2, 8, 64, device="cuda", generator=generator)
+
+    with torch.no_grad():
+        expected = reference(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
+    got = fast(hidden_states=latents.bfloat16(), timestep=timestep, encoder_hidden_states=text.bfloat16(),
+               return_dict=False)[0]
+    relative = ((got.float() - expected).norm() / expected.norm()).item()
+    assert relative < 2e-2, f"bf16 + cuDNN + compile moved the velocity by {relative:.3%} of its norm"
+    got.float().square().mean().backward()
+    grads = [p.grad for p in fast.parameters() if p.requires_grad]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+    assert any(g.abs().max() > 0 for g in grads)
