@@ -52,14 +52,18 @@ backend=_native_cudnn
 [ "$QUICK" = 1 ] && backend=native
 
 levers() {  # every lever off (with the profiler tables), then all on (with the 80 GB fit table)
-    wan_bench --profile &&
-        wan_bench --bf16_weights --compile --attention_backend "$backend" --fit_table
+    local status=0  # each run runs whatever the one before did
+    wan_bench --profile || status=$?
+    wan_bench --bf16_weights --compile --attention_backend "$backend" --fit_table || status=$?
+    return $status
 }
 
 each_lever() {  # each lever on its own
-    wan_bench --bf16_weights &&
-        wan_bench --attention_backend "$backend" &&
-        wan_bench --compile
+    local status=0
+    wan_bench --bf16_weights || status=$?
+    wan_bench --attention_backend "$backend" || status=$?
+    wan_bench --compile || status=$?
+    return $status
 }
 
 default_run() {  # the README's no-argument command, on the GPU; scores from its metrics
