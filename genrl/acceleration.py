@@ -95,7 +95,7 @@ def set_attention_backend(
     ``probe_attention_backend`` found that it works on ``device`` in ``dtype``. One sentence
     (``SetupError``), with nothing changed, when a model's attention does not go through the
     dispatcher (SD3), when diffusers refuses the backend (its own message, wrapped), or when the
-    kernel cannot run here."""
+    kernel cannot run here. Other models keep the dispatcher's process-wide default."""
     name = name.lower()
     check_attention_backend_name(name)
     for transformer in transformers:
@@ -105,13 +105,22 @@ def set_attention_backend(
                 "diffusers' attention dispatcher (it calls torch's scaled_dot_product_attention, which picks a fused kernel "
                 "on a GPU by itself); leave --attention_backend out."
             )
+    from diffusers.models.attention_dispatch import _AttentionBackendRegistry
+
     head_dim = getattr(transformers[0].config, "attention_head_dim", 64) if transformers else 64
     probe_attention_backend(name, device, dtype, head_dim=int(head_dim))
-    for transformer in transformers:
-        try:
-            transformer.set_attention_backend(name)
-        except Exception as error:
-            raise SetupError(f"--attention_backend {name} cannot be used here: {_smoothed(str(error))}.") from error
+    # diffusers also makes the backend the process-wide default, which every other model's
+    # dispatcher calls would then take (an fp32 model cannot run cuDNN's or flash's kernels):
+    # keep the choice to the models named.
+    active = _AttentionBackendRegistry._active_backend
+    try:
+        for transformer in transformers:
+            try:
+                transformer.set_attention_backend(name)
+            except Exception as error:
+                raise SetupError(f"--attention_backend {name} cannot be used here: {_smoothed(str(error))}.") from error
+    finally:
+        _AttentionBackendRegistry.set_active_backend(active)
 
 
 def repeated_block_classes(transformer: torch.nn.Module) -> list[str]:

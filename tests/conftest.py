@@ -5,7 +5,6 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -21,6 +20,12 @@ import tempfile
 import time
 
 import pytest
+import torch
+
+# DeepSpeed on the CPU where there is no GPU; where there is one it finds CUDA itself (forcing
+# "cpu" there put DeepSpeed's tensors on the CPU under Accelerate's NCCL group: a GPU-machine bug).
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
 
@@ -47,7 +52,7 @@ def launch_command(script: str, args: list[str], config: str | None = None, num_
     # as the scripts would otherwise refuse (NCCL needs one GPU per process).
     import torch
 
-    hide_gpus = ["env", "CUDA_VISIBLE_DEVICES="] if torch.cuda.device_count() < num_processes else []
+    hide_gpus = ["env", "CUDA_VISIBLE_DEVICES=", "DS_ACCELERATOR=cpu"] if torch.cuda.device_count() < num_processes else []
     return hide_gpus + [
         sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", os.path.join(ROOT, "accelerate_configs", f"{config}.yaml"),

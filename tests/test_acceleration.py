@@ -40,6 +40,17 @@ def test_the_native_backend_is_set_on_every_attention_and_keeps_the_velocity(fam
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
 
 
+def test_a_backend_stays_with_the_models_named():
+    """diffusers' set_attention_backend also makes the backend every other model's default; an
+    fp32 model elsewhere in the process would then be sent to a bf16-only kernel (cuDNN, flash)."""
+    policy = build_tiny_policy("wan")
+    bystander = copy.deepcopy(policy.transformer)
+    active = _AttentionBackendRegistry._active_backend
+    set_attention_backend([policy.transformer], "_native_math", device="cpu", dtype=torch.float32)
+    assert backends_of(policy.transformer) == {"_native_math"} and backends_of(bystander) == {None}
+    assert _AttentionBackendRegistry._active_backend == active
+
+
 @pytest.mark.parametrize("name, reason", [
     ("flash", "please install `flash-attn"),  # diffusers' own requirement check: the package is missing
     ("_native_cudnn", "cannot run on cpu in float32"),  # found by the probe: no such kernel on this device

@@ -7,6 +7,7 @@ import copy
 
 import pytest
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from genrl.acceleration import compile_repeated_blocks, set_attention_backend
 
@@ -35,11 +36,17 @@ def test_bf16_weights_cudnn_attention_and_compiled_blocks_keep_the_wan_velocity(
 
     with torch.no_grad():
         expected = reference(hidden_states=latents, timestep=timestep, encoder_hidden_states=text, return_dict=False)[0]
-    got = fast(hidden_states=latents.bfloat16(), timestep=timestep, encoder_hidden_states=text.bfloat16(),
-               return_dict=False)[0]
+    # As the trainer runs it: bf16 autocast (Accelerate's mixed precision) over the bf16 weights.
+    # The outer sdpa_kernel context restores torch's attention switches even if the compiled
+    # region raises inside cuDNN's own context (a failure must not disable SDPA for later tests).
+    everything = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel(everything), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = fast(hidden_states=latents.bfloat16(), timestep=timestep, encoder_hidden_states=text.bfloat16(),
+                   return_dict=False)[0]
     relative = ((got.float() - expected).norm() / expected.norm()).item()
     assert relative < 2e-2, f"bf16 + cuDNN + compile moved the velocity by {relative:.3%} of its norm"
-    got.float().square().mean().backward()
+    with sdpa_kernel(everything):
+        got.float().square().mean().backward()
     grads = [p.grad for p in fast.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().max() > 0 for g in grads)
