@@ -35,6 +35,11 @@ Rollout FLOPs = steps x F x forward batch (2B with CFG); a PPO step = 3 F x forw
 (backward = 2 forwards; the recomputation of gradient checkpointing is not counted, as usual
 for MFU). MFU = FLOPs / seconds / peak, peak = 790 TFLOP/s (H200 dense bf16, --peak_tflops).
 
+``--bf16_weights`` trains bf16 weights as ``accelerate launch --config_file
+accelerate_configs/zero2.yaml --num_processes 1 --mixed_precision bf16`` does: DeepSpeed ZeRO-2's
+bf16 mode in this one process, fp32 master weights and Adam states in its optimizer (whose step
+DeepSpeed runs inside the backward, so there the bare forward+backward includes it).
+
 ``--profile`` adds torch.profiler tables of one rollout and one PPO step (the ops with the
 most self time on the device, or on the CPU without one), printed and emitted as ``profile``
 records. ``--fit_table`` adds, for micro batches 1, 2, 4, ... up to ``--train_batch_size`` with
