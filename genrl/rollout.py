@@ -20,7 +20,7 @@ import torch
 
 from genrl.policies.base import FlowPolicy
 from genrl.sde import ODE_SOLVERS, SDE_TYPES, SDEStepOutput, adams_bashforth2_velocity, sde_step_with_logprob
-from genrl.seeding import latent_generator, noise_generator, window_generator
+from genrl.seeding import host_to_device, latent_generator, noise_generator, window_generator
 
 
 @dataclass
@@ -224,24 +224,27 @@ def sample_rollout(
         if config.ode_solver == "ab2" and i > 0:  # after a deterministic step: second order
             multistep = (~stochastic[:, i] & ~stochastic[:, i - 1]).view(-1, *([1] * (velocity.ndim - 1)))
             ab2 = adams_bashforth2_velocity(velocity, prev_velocity, sigmas[i + 1] - sigmas[i], sigmas[i] - sigmas[i - 1])
-            step_velocity = torch.where(multistep.to(velocity.device), ab2.to(velocity.dtype), velocity)
+            step_velocity = torch.where(host_to_device(multistep, velocity.device), ab2.to(velocity.dtype), velocity)
         prev_velocity = velocity
         next_latents = torch.empty_like(latents)
         for is_stochastic in (False, True):
             rows = (stochastic[:, i] == is_stochastic).nonzero().flatten().tolist()
             if not rows:
                 continue
+            # Every row (the usual case): whole tensors; some: an index copied to the device
+            # without waiting for the GPU (a Python list would be copied with a wait).
+            index = slice(None) if len(rows) == batch else host_to_device(torch.tensor(rows), latents.device)
             out = sde_step_with_logprob(
-                step_velocity[rows],
+                step_velocity[index],
                 sigmas[i],
                 sigmas[i + 1],
-                latents[rows],
+                latents[index],
                 noise_level=config.noise_level if is_stochastic else 0.0,
                 sde_type=config.sde_type,
                 sigma_max=sigma_max,
                 generator=[noise_generators[r] for r in rows],  # one draw per sample per step
             )
-            next_latents[rows] = out.next_sample
+            next_latents[index] = out.next_sample
             if is_stochastic:
                 for j, r in enumerate(rows):
                     mean = out.mean[j] if config.record_means else None

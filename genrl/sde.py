@@ -16,6 +16,8 @@ from typing import Sequence, Union
 
 import torch
 
+from genrl.seeding import host_to_device
+
 SDE_TYPES = ("flow_sde", "flow_cps")
 # How deterministic (noise 0) steps integrate the ODE: Euler (diffusers' scheduler) or the
 # two-step Adams-Bashforth method (second order, still one model call per step).
@@ -65,9 +67,9 @@ def randn_like_per_sample(x: torch.Tensor, generator: Generators) -> torch.Tenso
         if len(generator) != x.shape[0]:
             raise ValueError(f"Got {len(generator)} generators for a batch of {x.shape[0]} samples.")
         noise = [torch.randn(x.shape[1:], generator=g, device=g.device, dtype=torch.float32) for g in generator]
-        return torch.stack(noise).to(x.device)
+        return host_to_device(torch.stack(noise), x.device)
     device = generator.device if generator is not None else x.device
-    return torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32).to(x.device)
+    return host_to_device(torch.randn(x.shape, generator=generator, device=device, dtype=torch.float32), x.device)
 
 
 def flow_sde_std(sigma: torch.Tensor, sigma_next: torch.Tensor, noise_level: float, sigma_max: float) -> torch.Tensor:

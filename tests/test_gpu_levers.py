@@ -50,3 +50,25 @@ def test_bf16_weights_cudnn_attention_and_compiled_blocks_keep_the_wan_velocity(
     grads = [p.grad for p in fast.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().max() > 0 for g in grads)
+
+
+def test_the_sde_step_draws_its_noise_on_the_cpu_and_never_waits_for_the_gpu():
+    """The seeding contract (noise from per-sample CPU generators, the same on every machine)
+    without a stall: the noise reaches the GPU by a non-blocking copy from pinned memory, so
+    the denoising loop queues its next step while the transformer still runs."""
+    from genrl.sde import sde_step_with_logprob
+    from genrl.seeding import noise_generator
+
+    generator = torch.Generator().manual_seed(0)
+    x, v = (torch.randn(2, 16, 3, 8, 8, generator=generator) for _ in range(2))
+    draw = lambda: [noise_generator("a red circle", 0, 0, k) for k in range(2)]  # noqa: E731
+    on_cpu = sde_step_with_logprob(v, 0.8, 0.6, x, noise_level=0.7, generator=draw())
+    v_gpu, x_gpu, sigma, sigma_next = v.cuda(), x.cuda(), torch.tensor(0.8).cuda(), torch.tensor(0.6).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any wait for the GPU raises
+    try:
+        on_gpu = sde_step_with_logprob(v_gpu, sigma, sigma_next, x_gpu, noise_level=0.7, generator=draw())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.testing.assert_close(on_gpu.next_sample.cpu(), on_cpu.next_sample, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(on_gpu.log_prob.cpu(), on_cpu.log_prob, rtol=1e-5, atol=1e-5)
