@@ -168,8 +168,11 @@ def main(args):
         for transformer in transformers:
             compile_repeated_blocks(transformer, fullgraph=True)
     tally = TransformerTally(transformers, flop_cost)
+    # On a GPU one fused kernel takes the AdamW step (unfused, the step of 1.4 B fp32 parameters
+    # was 6% of a Wan 1.3B PPO step on an H200); on the CPU torch's default.
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
-                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon)
+                                  weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
+                                  fused=True if device.type == "cuda" else None)
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
                                  num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
                                  num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)

@@ -308,7 +308,7 @@ def main(args) -> list[dict]:
         from genrl.acceleration import compile_repeated_blocks
 
         compile_repeated_blocks(transformer, fullgraph=True)
-    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6)
+    optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)  # as the trainer
     model, optimizer = accelerator.prepare(transformer, optimizer)
     build_s = time.perf_counter() - start
 
