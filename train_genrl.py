@@ -53,7 +53,7 @@ from genrl.redact import redact_argv
 from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
 from genrl.rewards.lifecycle import describe_reward_models
-from genrl.sampler import PromptGroupSampler
+from genrl.sampler import PromptGroupSampler, trained_samples_per_epoch
 from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_flops, throughput_logs
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
@@ -241,7 +241,8 @@ def main(args):
                                      held_out=held_out, patience=args.watch_patience,
                                      diversity_fraction=args.watch_diversity_fraction)
     sampled_per_epoch = args.rollout_batch_size * args.rollout_batches_per_epoch
-    trained_per_epoch = sampled_per_epoch // args.group_size * (args.train_samples_per_group or args.group_size)
+    trained_per_epoch = trained_samples_per_epoch(args.rollout_batch_size, args.rollout_batches_per_epoch, args.group_size,
+                                                  args.train_samples_per_group)
     logger.info(
         f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
         f"{sampled_per_epoch} samples per process per epoch"

@@ -80,7 +80,7 @@ def check_batch_sizes(
                 f"--train_samples_per_group must be between 2 (a group's advantages need two samples) and --group_size "
                 f"{group_size} (which trains every sample), got {m}."
             )
-        trained = per_rank // group_size * m
+        trained = trained_samples_per_epoch(train_batch_size, batches_per_epoch, group_size, m)
         if train_micro_batch_size is not None and trained % train_micro_batch_size:
             raise ValueError(
                 f"--train_samples_per_group {m} of each of the {per_rank // group_size} groups per process per epoch "
@@ -94,6 +94,15 @@ def check_batch_sizes(
             f"--train_batch_size × --gradient_accumulation_steps = {train_micro_batch_size} does not divide the "
             f"{rollout} samples per process per epoch; use e.g. --train_batch_size {below} --gradient_accumulation_steps 1."
         )
+
+
+def trained_samples_per_epoch(
+    rollout_batch_size: int, batches_per_epoch: int, group_size: int, train_samples_per_group: int | None = None
+) -> int:
+    """Samples one process trains per epoch: its groups (``rollout_batch_size`` ×
+    ``batches_per_epoch`` / ``group_size``) × ``train_samples_per_group``, or every sample without it."""
+    groups = rollout_batch_size * batches_per_epoch // group_size
+    return groups * (train_samples_per_group or group_size)
 
 
 def suggest_rollout_batch_size(

@@ -3,7 +3,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from genrl.sampler import PromptGroupSampler, check_batch_sizes
+from genrl.sampler import PromptGroupSampler, check_batch_sizes, trained_samples_per_epoch
 
 
 def _all_ranks(num_processes, *, num_prompts=13, group_size=4, batch_size=6, batches_per_epoch=2, seed=7):
@@ -156,6 +156,14 @@ def test_check_batch_sizes_counts_only_the_trained_samples_of_each_group():
         check_batch_sizes(**sizes, train_micro_batch_size=6)
     with pytest.raises(ValueError, match="is 6 samples, not a multiple"):
         check_batch_sizes(**sizes, train_micro_batch_size=4, train_samples_per_group=3)
+
+
+def test_trained_samples_per_epoch_counts_groups_times_the_kept_samples():
+    """The count the log line and the progress bar use: 32 x 8 samples in groups of 16 are 16
+    groups, 8 kept of each (the default run) is 128; without down-sampling every sample trains."""
+    assert trained_samples_per_epoch(32, 8, 16, 8) == 128
+    assert trained_samples_per_epoch(32, 8, 16) == 256
+    assert trained_samples_per_epoch(8, 2, 8, 3) == 6
 
 
 def test_sampler_refuses_bad_sizes_and_rank():
