@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: one script, one GPU, under about 8 minutes on an H200. Run from the repository
-# root after installing the requirements (with the CUDA build of torch):
+# The GPU check: one script, one GPU. Run from the repository root after installing the
+# requirements (with the CUDA build of torch):
 #
 #     bash bench/gpu_check.sh 2>&1 | tee gpu_check.log
 #
@@ -8,13 +8,18 @@
 # random weights) with every speed lever off (with torch.profiler tables), all on (bf16 weights
 # through DeepSpeed's bf16 mode, regional compile, cuDNN attention; with the table of PPO micro
 # batches that fit an 80 GB card), then each alone: rollout and PPO-step MFU, genrl against the
-# bare transformer, peak memory; the no-argument run's wall time and held-out scores;
-# single-process ZeRO-2 / ZeRO-3 bf16 runs; and the tests that need a GPU. Each part runs on,
+# bare transformer, peak memory; then, side by side (toy-sized, they share the GPU and its 16
+# CPU cores without crowding each other), the no-argument run's wall time and held-out scores,
+# single-process ZeRO-2 / ZeRO-3 bf16 runs and the tests that need a GPU. Each part runs on,
 # whatever the previous one did, and says FAILED with its exit status; the script's own exit
 # status is the number of parts that failed. Figures are printed, never asserted.
 # GPU_CHECK_PARTS="levers tests ..." runs only the named parts, in that order (names: versions
-# levers each_lever default zero tests). GPU_CHECK_QUICK=1 runs every part at toy size (on a
-# CPU too): a check of the script itself.
+# levers each_lever default zero tests); names joined by "+" run side by side, each part's
+# output printed whole when it ends (default: "versions levers each_lever default+zero+tests").
+# On the first H200 run the benchmark parts took about 4 + 4.5 minutes and the toy parts about
+# 3 side by side: with a 10-minute limit per call, run "versions levers each_lever" in one and
+# "default+zero+tests" in the next. GPU_CHECK_QUICK=1 runs every part at toy size (on a CPU
+# too): a check of the script itself.
 
 set -u
 cd "$(dirname "$0")/.."
@@ -22,7 +27,7 @@ OUT=${GPU_CHECK_OUT:-$(mktemp -d /tmp/gpu-check-XXXXXX)}
 QUICK=${GPU_CHECK_QUICK:-0}
 FAILED=0
 
-part() {  # part NAME COMMAND...: runs the command, times it, reports its status
+part() {  # part NAME COMMAND...: runs the command, times it, reports and returns its status
     local name=$1
     shift
     echo
@@ -31,7 +36,7 @@ part() {  # part NAME COMMAND...: runs the command, times it, reports its status
     "$@"
     local status=$?
     echo "=== ${name}: $([ $status -eq 0 ] && echo ok || echo "FAILED (exit ${status})") in $((SECONDS - start)) s"
-    [ $status -eq 0 ] || FAILED=$((FAILED + 1))
+    return $status
 }
 
 versions() {
@@ -115,13 +120,35 @@ declare -A PART_NAMES=(
 declare -A PART_FUNCTIONS=(
     [versions]=versions [levers]=levers [each_lever]=each_lever [default]=default_run [zero]=zero_runs [tests]=gpu_tests
 )
-for name in ${GPU_CHECK_PARTS:-versions levers each_lever default zero tests}; do
-    if [ -z "${PART_FUNCTIONS[$name]:-}" ]; then
-        echo "gpu_check: no part named ${name} (parts: ${!PART_FUNCTIONS[*]})"
+known() {  # known NAME: whether NAME is a part, saying so when it is not
+    [ -n "${PART_FUNCTIONS[$1]:-}" ] && return 0
+    echo "gpu_check: no part named $1 (parts: ${!PART_FUNCTIONS[*]})"
+    return 1
+}
+
+side_by_side() {  # side_by_side NAME...: runs the parts at once, then prints each one's output in order
+    local names=() pids=() name
+    for name in "$@"; do
+        known "$name" || { FAILED=$((FAILED + 1)); continue; }
+        part "${PART_NAMES[$name]} (side by side with: $*)" "${PART_FUNCTIONS[$name]}" > "$OUT/part-${name}.log" 2>&1 &
+        names+=("$name")
+        pids+=($!)
+    done
+    local i
+    for i in "${!names[@]}"; do
+        wait "${pids[$i]}" || FAILED=$((FAILED + 1))
+        cat "$OUT/part-${names[$i]}.log"
+    done
+}
+
+for spec in ${GPU_CHECK_PARTS:-versions levers each_lever default+zero+tests}; do
+    if [[ "$spec" == *+* ]]; then
+        side_by_side ${spec//+/ }
+    elif known "$spec"; then
+        part "${PART_NAMES[$spec]}" "${PART_FUNCTIONS[$spec]}" || FAILED=$((FAILED + 1))
+    else
         FAILED=$((FAILED + 1))
-        continue
     fi
-    part "${PART_NAMES[$name]}" "${PART_FUNCTIONS[$name]}"
 done
 echo
 echo "gpu_check: ${FAILED} part(s) failed; outputs in ${OUT}"

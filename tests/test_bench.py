@@ -333,3 +333,18 @@ def test_video_reach_scores_real_decodes_of_the_tiny_wan(tmp_path):
     values = [reach[k] for k in ("noise_latents_mean", "still_latents_mean", "zero_latents")]
     assert all(-1 <= v <= 0 for v in values)
     assert reach["noise_latents_std"] > 0
+
+
+def test_gpu_check_counts_failed_parts_and_prints_side_by_side_parts_whole(tmp_path):
+    """bench/gpu_check.sh with parts joined by "+": an unknown name counts as a failed part
+    (the exit status) and says so; the known part beside it still runs and its output comes back
+    whole, framed by its own header and status line."""
+    env = {**script_env(), "GPU_CHECK_PARTS": "bogus+versions", "GPU_CHECK_OUT": str(tmp_path)}
+    result = subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh")], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "gpu_check: no part named bogus" in result.stdout
+    header = "=== versions (side by side with: bogus versions)"
+    body = result.stdout.partition(header + "\n")[2]
+    assert "torch " in body.partition(f"{header}: ok in")[0]
+    assert "gpu_check: 1 part(s) failed" in result.stdout
