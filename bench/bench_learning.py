@@ -263,7 +263,9 @@ def first_reaching(curve: dict, threshold: float, key: str) -> float | None:
 
 def summarize(objective: str, curves: list[dict]) -> dict:
     """Mean and spread (max - min) over seeds of the final score, the best score, the final
-    minus the best earlier one (steadiness), and steps / seconds to each threshold."""
+    minus the best earlier one (steadiness), and steps / seconds to each threshold: their mean
+    when every seed reached it (None otherwise, as a mean over the seeds that did would flatter
+    the objective), with how many seeds did (``seeds_to_<t>``)."""
     finals = [c["scores"][-1] for c in curves]
     drops = [c["scores"][-1] - max(c["scores"][:-1] or c["scores"]) for c in curves]
     row = {
@@ -280,6 +282,7 @@ def summarize(objective: str, curves: list[dict]) -> dict:
         if all(len(c["noise_scores"]) > 1 for c in curves):
             row["noise_sd"] = statistics.fmean(statistics.stdev(c["noise_scores"]) for c in curves)
     for threshold in THRESHOLDS:
+        row[f"seeds_to_{threshold}"] = sum(first_reaching(c, threshold, "steps") is not None for c in curves)
         for key, unit in (("steps", "steps"), ("elapsed", "s")):
             reached = [first_reaching(c, threshold, key) for c in curves]
             row[f"{unit}_to_{threshold}"] = statistics.fmean(reached) if all(r is not None for r in reached) else None
@@ -469,7 +472,8 @@ def main(args) -> list[dict]:
         rows.append(emit(summarize(objective, runs)))
     common.print_table(rows, ["objective", "seeds", "steps", "start", "final_mean", "final_spread", "best_mean",
                               "final_minus_best_earlier", "final_noise_mean", "final_noise_spread", "noise_sd",
-                              "steps_to_0.6", "steps_to_0.8", "s_to_0.6", "s_to_0.8", "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
+                              "steps_to_0.6", "seeds_to_0.6", "steps_to_0.8", "seeds_to_0.8", "s_to_0.6", "s_to_0.8",
+                              "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
     ceilings = []
     if not args.no_ceilings and args.setting != "video":
         # K = the no-argument run's samples per prompt (its objective's preset: 16 for NFT with PODS).

@@ -281,6 +281,25 @@ def test_tensor_memory_counts_shared_storage_once():
     del flat, views, parts
 
 
+def test_learning_summary_counts_seeds_to_a_threshold_and_averages_steps_only_when_all_reach_it():
+    # GRPO's seed 1 on the toy run never reached 0.6 within 200 steps: a mean over the seeds that
+    # did would read as the objective's pace, so the summary gives none and says how many reached it.
+    import bench_learning
+
+    def curve(scores):
+        return {"steps": [0, 20, 40, 60], "elapsed": [1.0, 11.0, 21.0, 31.0], "scores": scores}
+
+    fast, slow, never = curve([0.3, 0.61, 0.7, 0.81]), curve([0.3, 0.5, 0.6, 0.7]), curve([0.3, 0.4, 0.5, 0.59])
+    both = bench_learning.summarize("nft", [fast, slow])
+    assert both["steps_to_0.6"] == 30 and both["s_to_0.6"] == 16 and both["seeds_to_0.6"] == 2
+    assert both["steps_to_0.8"] is None and both["seeds_to_0.8"] == 1
+    assert both["final_mean"] == pytest.approx(0.755) and both["final_spread"] == pytest.approx(0.11)
+    assert both["final_minus_best_earlier"] == pytest.approx(0.1)  # the worst seed's last minus its best before
+    partial = bench_learning.summarize("grpo", [fast, never])
+    assert partial["steps_to_0.6"] is None and partial["seeds_to_0.6"] == 1
+    assert partial["final_minus_best_earlier"] == pytest.approx(0.09)
+
+
 def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_path):
     # Naming a model leaves the embedded default run, so --base_model spells every DEFAULT_RUN
     # value out: the parsed run must equal the no-argument one in everything but the weights.
