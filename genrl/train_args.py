@@ -69,7 +69,7 @@ DEFAULT_RUN = dict(
 # NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
 # higher at the end than training all of 8, for about 1.4x the epoch (README "Learning"). Its beta
 # is 0.5, not DiffusionNFT's 1: a weaker pull-back of each epoch's second step reaches 0.6 sooner
-# and ends as high and closer over six seeds; 0.3 starts no faster and spreads the seeds.
+# and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds.
 DEFAULT_RUN_BY_OBJECTIVE = {
     "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
                  rollout_batches_per_epoch=4),
