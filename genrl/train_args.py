@@ -40,8 +40,8 @@ DEFAULT_RUN = dict(
     rollout_batch_size=32,
     train_batch_size=32,
     gradient_accumulation_steps=2,
-    # 200 optimizer steps (100 epochs): NFT with PODS (below) is at 0.77, above the supervised
-    # ceiling, by then, in about the wall time the 260 steps of plain NFT took (README "Learning").
+    # 200 optimizer steps (100 epochs): NFT with PODS (below) is at 0.77, level with the supervised
+    # ceiling, by then, in about the wall time the 260 steps of plain NFT took (docs/learning_history.md).
     max_train_steps=200,
     num_epochs=100,
     # Every 40 steps, each of the 122 held-out prompts from four noises: one noise moves the score by
@@ -64,10 +64,10 @@ DEFAULT_RUN = dict(
 # GRPO needs recorded SDE steps: a 4-step window in the first 8 of 10 steps, one initial noise
 # per group. NFT and AWM train on clean samples: the plain ODE, each sample from its own noise,
 # re-noised at steps among the 6 noisiest of 10 (sigma >= 0.4), where the layout a prompt asks for
-# is decided (README "Learning": NFT reaches 0.6 in about two thirds of the steps). NFT trains all
-# 6 (timestep_fraction 0.6: steadier, README "Learning"); AWM 4, as many as GRPO's window.
+# is decided (docs/learning_history.md: NFT reaches 0.6 in about two thirds of the steps). NFT trains all
+# 6 (timestep_fraction 0.6: steadier, docs/learning_history.md); AWM 4, as many as GRPO's window.
 # NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
-# higher at the end than training all of 8, for about 1.4x the epoch (README "Learning"). Its beta
+# higher at the end than training all of 8, for about 1.4x the epoch (docs/learning_history.md). Its beta
 # is 0.5, not DiffusionNFT's 1: a weaker pull-back of each epoch's second step reaches 0.6 sooner
 # and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds.
 DEFAULT_RUN_BY_OBJECTIVE = {
