@@ -69,11 +69,13 @@ DEFAULT_RUN = dict(
 # NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
 # higher at the end than training all of 8, for about 1.4x the epoch (docs/learning_history.md). Its beta
 # is 0.5, not DiffusionNFT's 1: a weaker pull-back of each epoch's second step reaches 0.6 sooner
-# and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds.
+# and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds. With
+# beta 0.5 its learning rate is 2e-4, not 1e-4: 0.6 by step 30 instead of 40 on six seeds and a
+# higher end (README "Learning"; at beta 1 larger rates had not paid, docs/learning_history.md).
 DEFAULT_RUN_BY_OBJECTIVE = {
     "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
                  rollout_batches_per_epoch=4),
-    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.6, train_sigma_range=[0.4, 1.0],
+    "nft": dict(noise_level=0.0, same_latent=False, learning_rate=2e-4, timestep_fraction=0.6, train_sigma_range=[0.4, 1.0],
                 group_size=16, rollout_batches_per_epoch=8, train_samples_per_group=8, nft_beta=0.5),
     "awm": dict(noise_level=0.0, same_latent=False, learning_rate=1e-4, timestep_fraction=0.4, train_sigma_range=[0.4, 1.0],
                 rollout_batches_per_epoch=4),
@@ -248,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--train_batch_size", type=int, default=8, help="Samples per micro batch per process in the update.")
     group.add_argument("--gradient_accumulation_steps", type=int, default=1,
                        help="Micro batches per optimizer step (each also accumulates over its trained timesteps).")
-    group.add_argument("--learning_rate", type=float, default=1e-4, help="AdamW learning rate.")
+    group.add_argument("--learning_rate", type=float, default=1e-4,
+                       help="AdamW learning rate (the no-argument NFT run: 2e-4).")
     group.add_argument("--adam_beta1", type=float, default=0.9, help="AdamW beta1.")
     group.add_argument("--adam_beta2", type=float, default=0.999, help="AdamW beta2.")
     group.add_argument("--adam_weight_decay", type=float, default=1e-4, help="AdamW weight decay.")

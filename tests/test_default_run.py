@@ -37,10 +37,12 @@ def test_a_users_own_model_gets_the_plain_defaults_not_the_toy_run(tmp_path):
     assert args.objective == "grpo" and args.noise_level == 0.7 and args.same_latent
     assert args.max_train_steps is None and args.eval_prompt_dataset is None
     assert args.vae_decode_batch_size == 1  # a video VAE's memory stays bounded unless asked
-    # The toy run's NFT beta (0.5) is tuned to the toy model: a user's own NFT run keeps DiffusionNFT's 1.
+    # The toy run's NFT beta (0.5) and learning rate (2e-4) are tuned to the toy model: a user's own
+    # NFT run keeps DiffusionNFT's beta 1 and the plain 1e-4.
     own_nft = parse_args(["--pretrained_model_name_or_path", train_args.DEFAULT_MODEL, "--prompt_dataset", str(prompts),
                           "--reward_fn", "toy_geneval", "--objective", "nft", "--noise_level", "0"])
     assert own_nft.nft_beta == 1.0 and parse_args([]).nft_beta == 0.5
+    assert own_nft.learning_rate == 1e-4 and parse_args([]).learning_rate == 2e-4
 
 
 def test_the_toy_run_decodes_in_chunks_that_divide_its_rollout_batches():
