@@ -40,7 +40,7 @@ DEFAULT_RUN = dict(
     rollout_batch_size=32,
     train_batch_size=32,
     gradient_accumulation_steps=2,
-    # 200 optimizer steps (100 epochs): NFT with PODS (below) is at 0.77, level with the supervised
+    # 200 optimizer steps (100 epochs): NFT with PODS (below) is at about 0.78, level with the supervised
     # ceiling, by then, in about the wall time the 260 steps of plain NFT took (docs/learning_history.md).
     max_train_steps=200,
     num_epochs=100,
