@@ -22,6 +22,10 @@ import json
 import logging
 import os
 
+from genrl.console import hide_loading_bars, silence_known_noise
+
+silence_known_noise()  # before the libraries below load: some warn on import
+
 import torch
 from accelerate.logging import get_logger
 
@@ -287,6 +291,7 @@ def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model that cannot be
     fetched, more processes than GPUs) ends in its one sentence and exit status 1."""
     args = parse_args(argv)
+    hide_loading_bars()
     try:
         main(args)
     except Exception as error:

@@ -33,6 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from genrl.console import silence_known_noise  # noqa: E402
+
+# The benchmarks print what the trainer prints: none of its known start-up noise.
+silence_known_noise()
+
 import torch  # noqa: E402
 
 # Prompts every tiny tokenizer knows (genrl.testing.tiny_pipelines.TINY_VOCAB), one per prompt group.
