@@ -72,7 +72,8 @@ DEFAULT_RUN = dict(
 # and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds. With
 # beta 0.5 its learning rate is 2e-4, not 1e-4: 0.6 by step 30 instead of 40 on six seeds and a
 # higher end (README "Learning"; at beta 1 larger rates had not paid, docs/learning_history.md);
-# 3e-4 ends higher on average but spreads six seeds 0.08 apart (docs/learning_history.md).
+# 3e-4 ends higher on average but spreads six seeds 0.08 apart; with AdamW beta2 0.99 they stay together but
+# end no higher than 2e-4 (docs/learning_history.md).
 DEFAULT_RUN_BY_OBJECTIVE = {
     "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
                  rollout_batches_per_epoch=4),
