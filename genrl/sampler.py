@@ -157,6 +157,23 @@ class PromptGroupSampler:
         self.groups_per_rank = batch_size * batches_per_epoch // group_size
         self.num_groups = self.groups_per_rank * num_processes
 
+    def repeats_warning(self) -> str | None:
+        """One sentence when an epoch asks for more groups than there are prompts, else None.
+
+        Seeds follow (run seed, epoch, prompt, index in group) alone (the design's seeding
+        contract), so a prompt drawn twice in an epoch samples the same images twice: the
+        repeat costs its rollouts and doubles the prompt's weight in the update, and teaches
+        nothing new."""
+        if self.num_groups <= self.num_prompts:
+            return None
+        return (
+            f"Each epoch draws {self.num_groups} prompt groups ({self.num_processes} process(es) x "
+            f"{self.groups_per_rank}) from {self.num_prompts} prompt{'s' if self.num_prompts != 1 else ''}, so prompts repeat within an epoch and a repeat "
+            f"samples exactly the images of its first draw (seeds follow the prompt, run seed, epoch and index in the "
+            f"group); give at least {self.num_groups} prompts, or fewer groups per epoch (--rollout_batch_size x "
+            f"--rollout_batches_per_epoch / --group_size per process)."
+        )
+
     def epoch_groups(self, epoch: int) -> list[int]:
         """The epoch's G prompt indices in dealing order, identical on every rank."""
         generator = torch.Generator(device="cpu").manual_seed(mix_seeds(self.seed, epoch))

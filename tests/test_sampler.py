@@ -182,3 +182,11 @@ def test_the_suggested_rollout_batch_size_passes_every_check(group_size, rollout
     suggested = int(str(error.value).rsplit("--rollout_batch_size ", 1)[1].rstrip("."))
     check_batch_sizes(group_size=group_size, train_batch_size=suggested, num_processes=1, batches_per_epoch=batches,
                       train_micro_batch_size=micro)
+
+
+def test_an_epoch_with_more_groups_than_prompts_says_so_and_names_the_count_that_avoids_it():
+    # 2 ranks x 3 groups = 6 groups an epoch: 5 prompts repeat one (with the same images), 6 do not.
+    five, six = (_all_ranks(2, num_prompts=n, group_size=4, batch_size=6, batches_per_epoch=2)[0] for n in (5, 6))
+    message = five.repeats_warning()
+    assert "6 prompt groups" in message and "from 5 prompts" in message and "at least 6 prompts" in message
+    assert six.repeats_warning() is None

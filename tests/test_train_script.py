@@ -309,3 +309,15 @@ def test_the_console_shows_one_bar_and_one_line_per_evaluation(tiny_sd3, prompt_
     for noise in ("epoch 0 rollout", "epoch 0 update", "requires torchvision", "float32: []", "Setting accelerator to CPU",
                   "Generating train split"):
         assert noise not in output, noise
+
+
+def test_a_prompt_set_smaller_than_an_epoch_is_named_once_and_the_run_goes_on(tiny_sd3, tmp_path):
+    # 2 groups an epoch from 1 prompt: the repeat samples the same images (seeds follow the prompt),
+    # which a user would otherwise only see as a slower, no better run.
+    prompts = tmp_path / "one.txt"
+    prompts.write_text("a red circle\n")
+    proc = run_train(base_args(tiny_sd3, str(prompts), str(tmp_path / "out"), "--num_epochs", "1"))
+    assert proc.returncode == 0, proc.stderr.decode()[-4000:]
+    output = (proc.stdout + proc.stderr).decode(errors="replace")
+    assert output.count("Each epoch draws 2 prompt groups") == 1, output
+    assert "from 1 prompt," in output and "give at least 2 prompts" in output
