@@ -119,8 +119,8 @@ def main(args):
         batches_per_epoch=args.rollout_batches_per_epoch, num_processes=accelerator.num_processes,
         rank=accelerator.process_index, seed=args.seed,
     )
-    if sampler.repeats_warning():
-        logger.warning(sampler.repeats_warning())
+    if repeats := sampler.repeats_warning():
+        logger.warning(repeats)
 
     # ---- Models --------------------------------------------------------------------------
     # With zero3_init_flag: true the transformer is built already partitioned (no rank holds all

@@ -168,10 +168,10 @@ class PromptGroupSampler:
             return None
         return (
             f"Each epoch draws {self.num_groups} prompt groups ({self.num_processes} process(es) x "
-            f"{self.groups_per_rank}) from {self.num_prompts} prompt{'s' if self.num_prompts != 1 else ''}, so prompts repeat within an epoch and a repeat "
-            f"samples exactly the images of its first draw (seeds follow the prompt, run seed, epoch and index in the "
-            f"group); give at least {self.num_groups} prompts, or fewer groups per epoch (--rollout_batch_size x "
-            f"--rollout_batches_per_epoch / --group_size per process)."
+            f"{self.groups_per_rank}) from {self.num_prompts} prompt{'s' if self.num_prompts != 1 else ''}, so prompts "
+            f"repeat within an epoch and a repeat samples exactly the images of its first draw (seeds follow the prompt, "
+            f"run seed, epoch and index in the group); give at least {self.num_groups} prompts, or fewer groups per epoch "
+            f"(--rollout_batch_size x --rollout_batches_per_epoch / --group_size per process)."
         )
 
     def epoch_groups(self, epoch: int) -> list[int]:
