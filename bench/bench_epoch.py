@@ -15,7 +15,7 @@ phases each epoch logged (``logs/metrics.jsonl``):
 - ``epoch_s``: phases 1-6 (``time/epoch_s``).
 
 It prints one JSON record per epoch after the first (the first pays one-off costs) and their
-medians. Flow-GRPO's side is not run here (it is another repository).
+medians. `bench_flow_grpo_epoch.py` runs Flow-GRPO's own script beside it.
 
     python bench/bench_epoch.py                               # 5 epochs, ~40 s each on one core
     python bench/bench_epoch.py --extra="--vae_decode_batch_size 32"
@@ -90,13 +90,12 @@ def epoch_phases(metrics_path: str, samples_per_epoch: int) -> list[dict]:
     return rows
 
 
-def main(args) -> list[dict]:
+def run_epochs(args, samples_per_epoch: int) -> list[dict]:
+    """Run ``train_genrl.py`` in the setting for ``args.epochs`` epochs; the phases of the epochs
+    after the first (the first pays one-off costs)."""
     from genrl.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS
 
-    common.print_machine("cpu", note=f"train_genrl.py, 1 process, {args.threads} torch thread(s)")
     setting = QUICK if args.quick else MATCHED
-    samples_per_epoch = int(setting[setting.index("--rollout_batch_size") + 1]) * int(
-        setting[setting.index("--rollout_batches_per_epoch") + 1])
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="bench-epoch-")
     command = [sys.executable, os.path.join(ROOT, "train_genrl.py"), "--pretrained_model_name_or_path", DEFAULT_MODEL,
                "--prompt_dataset", DEFAULT_TRAIN_PROMPTS, *setting, "--num_epochs", str(args.epochs),
@@ -109,8 +108,19 @@ def main(args) -> list[dict]:
         proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         raise SystemExit(f"train_genrl.py exited {proc.returncode}; see {log_path}.")
-    rows = epoch_phases(os.path.join(out_dir, "logs", "metrics.jsonl"), samples_per_epoch)[1:]
-    settings = {"setting": "quick" if args.quick else "matched", "extra": args.extra, "samples_per_epoch": samples_per_epoch}
+    return epoch_phases(os.path.join(out_dir, "logs", "metrics.jsonl"), samples_per_epoch)[1:]
+
+
+def samples_per_epoch(setting: list[str]) -> int:
+    return int(setting[setting.index("--rollout_batch_size") + 1]) * int(
+        setting[setting.index("--rollout_batches_per_epoch") + 1])
+
+
+def main(args) -> list[dict]:
+    common.print_machine("cpu", note=f"train_genrl.py, 1 process, {args.threads} torch thread(s)")
+    per_epoch = samples_per_epoch(QUICK if args.quick else MATCHED)
+    rows = run_epochs(args, per_epoch)
+    settings = {"setting": "quick" if args.quick else "matched", "extra": args.extra, "samples_per_epoch": per_epoch}
     for epoch, row in enumerate(rows, start=2):
         emit({"bench": "epoch", **settings, "epoch": epoch, **row})
     keys = [*PHASES, "kept", "trained", "train_s_per_trained_sample"]

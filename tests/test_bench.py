@@ -367,3 +367,34 @@ def test_gpu_check_counts_failed_parts_and_prints_side_by_side_parts_whole(tmp_p
     body = result.stdout.partition(header + "\n")[2]
     assert "torch " in body.partition(f"{header}: ok in")[0]
     assert "gpu_check: 1 part(s) failed" in result.stdout
+
+
+def test_flow_grpo_side_by_side_clamps_only_the_text_encoder_lengths():
+    # Flow-GRPO's script pads CLIP to 77 and T5 to 128 tokens; the toy encoders take 12 and 1. The
+    # side-by-side must condition both trainers on the same 13 text tokens, and leave the
+    # 256-token prompt ids (decoded back to prompts for its per-prompt statistics) whole.
+    from transformers import AutoTokenizer
+
+    import bench_flow_grpo_epoch
+    from genrl.train_args import DEFAULT_MODEL
+
+    def ids(tokenizer, max_length):
+        return tokenizer(["a red circle above a blue square"], padding="max_length", max_length=max_length,
+                         truncation=True, return_tensors="pt").input_ids
+
+    clip, t5 = (AutoTokenizer.from_pretrained(DEFAULT_MODEL, subfolder=s) for s in ("tokenizer", "tokenizer_3"))
+    before = ids(clip, 12)
+    for tokenizer in (clip, t5):
+        bench_flow_grpo_epoch.clamp_tokenizer(tokenizer)
+    assert torch.equal(ids(clip, 77), before)
+    assert ids(t5, 128).shape == (1, 1)
+    assert ids(clip, 256).shape == (1, 256)
+    assert clip.decode(ids(clip, 256)[0], skip_special_tokens=True) == "a red circle above a blue square"
+
+
+def test_flow_grpo_side_by_side_names_a_folder_without_the_script(tmp_path, capsys):
+    import bench_flow_grpo_epoch
+
+    with pytest.raises(SystemExit):
+        bench_flow_grpo_epoch.parse_args(["--flow_grpo_dir", str(tmp_path)])
+    assert "holds no scripts/train_sd3.py" in capsys.readouterr().err
