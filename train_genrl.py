@@ -44,6 +44,7 @@ from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
+from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard
 from genrl.objectives import check_sigma_range_holds, reference_model
@@ -175,9 +176,12 @@ def main(args):
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2),
                                   weight_decay=args.adam_weight_decay, eps=args.adam_epsilon,
                                   fused=True if device.type == "cuda" else None)
+    # The flags count optimizer steps; Accelerate steps the scheduler once per process for each.
+    per_step = accelerator.num_processes
     lr_scheduler = get_scheduler(args.lr_scheduler, optimizer=optimizer,
-                                 num_warmup_steps=args.lr_warmup_steps * accelerator.num_processes,
-                                 num_training_steps=(args.max_train_steps or 10**6) * accelerator.num_processes)
+                                 step_rules=args.lr_step_rules and scheduler_step_rules(args.lr_step_rules, per_step),
+                                 num_warmup_steps=args.lr_warmup_steps * per_step,
+                                 num_training_steps=(args.max_train_steps or 10**6) * per_step)
     buckets = size_zero3_buckets(plugin, policy.transformer)
     if buckets:
         logger.info(f"ZeRO-3 buffer sizes (elements): {buckets}", main_process_only=True)

@@ -14,6 +14,7 @@ import os
 import tempfile
 
 from genrl.acceleration import check_attention_backend_name
+from genrl.lr_schedule import parse_step_rules
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.sampler import check_batch_sizes
@@ -262,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--lr_scheduler", type=str, default="constant",
                        help='diffusers scheduler name: "constant", "constant_with_warmup", "linear", "cosine", ...')
     group.add_argument("--lr_warmup_steps", type=int, default=0, help="Warm-up optimizer steps of the scheduler.")
+    group.add_argument("--lr_step_rules", type=str, default=None,
+                       help='With --lr_scheduler piecewise_constant: "m1:s1,...,m_last", the rate times m1 below '
+                            'optimizer step s1, ..., then times m_last (e.g. "1:200,0.5").')
     group.add_argument("--num_epochs", type=int, default=100, help="Stop after this many epochs (or --max_train_steps).")
     group.add_argument("--max_train_steps", type=int, default=None, help="Stop after this many optimizer steps.")
 
@@ -499,6 +503,11 @@ def validate_args(args) -> None:
             f"--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got {args.watch_patience} and "
             f"{args.watch_diversity_fraction}."
         )
+    if (args.lr_scheduler == "piecewise_constant") != (args.lr_step_rules is not None):
+        raise ValueError("--lr_step_rules goes with --lr_scheduler piecewise_constant, and that scheduler needs the rules: "
+                         "give both or neither.")
+    if args.lr_step_rules is not None:
+        parse_step_rules(args.lr_step_rules)
     if args.compile and under_zero3():
         raise ValueError(
             "--compile does not work under ZeRO-3 (DeepSpeed gathers each block's partitioned weights in hooks that "

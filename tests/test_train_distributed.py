@@ -38,6 +38,9 @@ def train_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[s
         # gradients of a random model, eps=1e-8 turns float reduction-order noise (which
         # differs between DDP and DeepSpeed) into visible weight differences.
         "--learning_rate", "1e-2", "--adam_epsilon", "1e-4",
+        # Halved after optimizer step 2: Accelerate steps the scheduler once per process (under
+        # DeepSpeed too); the rules count optimizer steps.
+        "--lr_scheduler", "piecewise_constant", "--lr_step_rules", "1:2,0.5",
         *extra,
     ]
 
@@ -119,6 +122,13 @@ def test_ddp_zero2_zero3_give_the_same_weights(runs, folder):
         assert diff <= 1e-5, f"{config} {folder} differs from DDP by {diff}"
     trained, ema = exported_weights(runs["zero3"]), exported_weights(runs["zero3"], "transformer_ema")
     assert any(not torch.equal(trained[k], ema[k]) for k in trained), "the EMA export equals the trained weights"
+
+
+def test_every_config_follows_the_learning_rate_rules_in_optimizer_steps(runs):
+    for config, output_dir in runs.items():
+        with open(os.path.join(output_dir, "logs", "metrics.jsonl")) as f:
+            epochs = [json.loads(line) for line in f if '"train/lr"' in line]
+        assert [(e["step"], e["train/lr"]) for e in epochs] == [(1, 1e-2), (2, 5e-3), (3, 5e-3)], config
 
 
 def test_zero3_builds_the_transformer_partitioned_and_counts_its_full_flops(runs):

@@ -105,6 +105,9 @@ def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file,
         (["--peak_tflops", "0"], "--peak_tflops"),
         (["--objective", "grpo", "--sampling_policy_decay_rate", "0.001"], "nft or awm"),
         (["--objective", "nft", "--sampling_policy_decay_max", "1.0"], "--sampling_policy_decay_max in [0, 1)"),
+        (["--lr_step_rules", "1:200,0.5"], "--lr_step_rules goes with --lr_scheduler piecewise_constant"),
+        (["--lr_scheduler", "piecewise_constant"], "that scheduler needs the rules"),
+        (["--lr_scheduler", "piecewise_constant", "--lr_step_rules", "1:200"], "'1:200' is not of the form"),
     ],
 )
 def test_bad_arguments_fail_with_one_sentence_before_loading(tiny_sd3, prompt_file, tmp_path, capsys, extra, message):
