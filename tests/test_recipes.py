@@ -31,7 +31,7 @@ def recipe_words(path: str) -> list[str]:
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
-def test_recipe_flags_parse(path, monkeypatch):
+def test_recipe_flags_parse(path):
     args = train_args.parse_args(recipe_words(path))
     assert os.path.isfile(os.path.join(ROOT, args.prompt_dataset)), "the recipe's default prompt file must ship"
     assert args.reward_options is None or load_reward_options(args.reward_options)
