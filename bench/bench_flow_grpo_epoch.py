@@ -41,6 +41,7 @@ from common import emit, print_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_ENCODER_CALLS = (77, 128)  # the max_length Flow-GRPO's script passes to its CLIP and T5 tokenizers
+ROLLOUT_BATCHES = 4  # per epoch, of 32 samples (4 prompts x 8) each
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,7 +92,7 @@ def flow_grpo_config(flow_grpo_dir: str, data_dir: str, log_dir: str):
     c.eval_freq = c.save_freq = 10**9  # one evaluation at epoch 0 (one test prompt), no checkpoint
     c.sample.num_steps = c.sample.eval_num_steps = 10
     c.sample.guidance_scale, c.sample.noise_level = 4.5, 0.7
-    c.sample.train_batch_size, c.sample.num_image_per_prompt, c.sample.num_batches_per_epoch = 32, 8, 4
+    c.sample.train_batch_size, c.sample.num_image_per_prompt, c.sample.num_batches_per_epoch = 32, 8, ROLLOUT_BATCHES
     c.sample.test_batch_size, c.sample.global_std = 1, False
     c.train.batch_size, c.train.gradient_accumulation_steps = 32, 2
     c.train.timestep_fraction = 0.9  # int(10 * 0.9) = 9 trained timesteps
@@ -118,18 +119,19 @@ def run_flow_grpo_worker(args) -> None:
     flow_grpo.rewards.multi_score = multi_score
     import train_sd3
 
-    class Pipeline:
+    load_pipeline = train_sd3.StableDiffusion3Pipeline.from_pretrained
+
+    class Pipeline:  # what its main() loads the pipeline with: the real one, tokenizers clamped
         @staticmethod
         def from_pretrained(*a, **k):
-            pipeline = train_sd3.StableDiffusion3Pipeline_.from_pretrained(*a, **k)
+            pipeline = load_pipeline(*a, **k)
             for tokenizer in (pipeline.tokenizer, pipeline.tokenizer_2, pipeline.tokenizer_3):
                 clamp_tokenizer(tokenizer)
             return pipeline
 
-    train_sd3.StableDiffusion3Pipeline_, train_sd3.StableDiffusion3Pipeline = train_sd3.StableDiffusion3Pipeline, Pipeline
+    train_sd3.StableDiffusion3Pipeline = Pipeline
 
-    starts, sample = [], train_sd3.pipeline_with_logprob
-    batches = 4
+    starts, sample, batches = [], train_sd3.pipeline_with_logprob, ROLLOUT_BATCHES
 
     def timed_sample(*a, **k):
         if k.get("noise_level", 0) > 0:  # a training rollout (evaluation samples with noise 0)
