@@ -1,4 +1,4 @@
-"""The learning-rate schedule counted in optimizer steps, whatever steps the scheduler.
+"""The learning-rate flags, counted in optimizer steps.
 
 Users give ``--lr_warmup_steps`` and ``--lr_step_rules`` in optimizer steps. Accelerate's
 ``AcceleratedScheduler`` steps the scheduler once per process for every optimizer step (it
@@ -31,8 +31,8 @@ def parse_step_rules(rules: str) -> tuple[list[tuple[float, int]], float]:
 
 
 def scheduler_step_rules(rules: str, scheduler_steps_per_optimizer_step: int) -> str:
-    """The rule string with every boundary multiplied by ``scheduler_steps_per_optimizer_step``
-    (the number of processes), for diffusers' ``get_scheduler(step_rules=...)``."""
+    """``rules`` with every boundary multiplied by ``scheduler_steps_per_optimizer_step`` (the
+    number of processes), for diffusers' ``get_scheduler(step_rules=...)``."""
     pairs, last = parse_step_rules(rules)
-    return ",".join([f"{m!r}:{s * scheduler_steps_per_optimizer_step}" for m, s in pairs] + [repr(last)])
-
+    factor = scheduler_steps_per_optimizer_step
+    return ",".join([f"{m!r}:{s * factor}" for m, s in pairs] + [repr(last)])
