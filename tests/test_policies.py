@@ -7,10 +7,11 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
+from genrl.errors import SetupError
 from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy, policy_for_pipeline
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
-from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, save_tiny_pipeline
+from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, VARIANTS, build_tiny_pipeline, save_tiny_pipeline
 
 torch.set_num_threads(2)
 
@@ -20,7 +21,7 @@ ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy}
 @pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("tiny")
-    return {family: save_tiny_pipeline(family, root / family, seed=0) for family in FAMILIES}
+    return {family: save_tiny_pipeline(family, root / family, seed=0) for family in FAMILIES + VARIANTS}
 
 
 @pytest.fixture(scope="module")
@@ -72,15 +73,30 @@ def test_load_policy_dtypes(tiny_dirs):
 
 
 def test_load_policy_errors(tmp_path):
-    with pytest.raises(ValueError, match="neither a local pipeline folder nor a Hub model id"):
+    """Each is a SetupError (the scripts print its one sentence), raised before any weights load."""
+    with pytest.raises(SetupError, match="neither a local pipeline folder nor a Hub model id"):
         load_policy(str(tmp_path / "missing"))
-    with pytest.raises(ValueError, match="neither a local pipeline folder nor a Hub model id"):
+    with pytest.raises(SetupError, match="neither a local pipeline folder nor a Hub model id"):
         load_policy("genrl-test/not-a-model")  # tests run with HF_HUB_OFFLINE=1
-    with pytest.raises(ValueError, match="has no model_index.json"):
+    with pytest.raises(SetupError, match="has no model_index.json"):
         load_policy(str(tmp_path))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
-    with pytest.raises(ValueError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
+    with pytest.raises(SetupError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
         load_policy(str(tmp_path))
+    # Wan2.2-T2V-A14B's index (no weights here at all: the refusal must come from the index alone).
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "WanPipeline", "boundary_ratio": 0.875, "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
+    with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.875.*Wan2.2-TI2V-5B"):
+        load_policy(str(tmp_path))
+
+
+def test_a_loaded_two_expert_wan_pipeline_is_refused():
+    pipeline = build_tiny_pipeline("wan")
+    pipeline.register_modules(transformer_2=build_tiny_pipeline("wan", seed=1).transformer)
+    pipeline.register_to_config(boundary_ratio=0.9)
+    with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.9 x 1000"):
+        policy_for_pipeline(pipeline)
 
 
 def test_to_moves_and_freezes_only_the_frozen_parts(tiny_dirs):
@@ -178,24 +194,26 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
     assert v.dtype == torch.float32 and torch.isfinite(v).all()
 
 
-@pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("sd3", 3.0), ("sd3", 1.0), ("flux", 3.0)])
+@pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
+                                                    ("sd3", 1.0), ("flux", 3.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames."""
     policy = policies[family]
+    height, width, num_frames = TINY_SAMPLING_DEFAULTS[family].values()
     prompts = ["a red circle above a blue square", "three green triangles"]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
     rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu")
     assert rollout.num_steps == 0
 
     generators = [latent_generator(p, 7, 0, 0, True) for p in prompts]
-    latents = policy.prepare_latents(generators, 32, 32, 5, "cpu")
+    latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
     kwargs = dict(
-        prompt=prompts, height=32, width=32, num_inference_steps=4, guidance_scale=guidance_scale,
+        prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=guidance_scale,
         output_type="pt", max_sequence_length=16,
     )
-    if family == "wan":
-        out = policy.pipeline(latents=latents, num_frames=5, negative_prompt="dark", **kwargs).frames
+    if policy.family == "wan":
+        out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs).frames
         expected = out.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
     elif family == "sd3":
         out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images
@@ -205,6 +223,35 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)
     assert rollout.samples.shape == expected.shape
     torch.testing.assert_close(rollout.samples, expected, rtol=0, atol=1e-4)
+
+
+def test_wan22_ti2v_loads_as_wan_with_its_16x_patchified_latents(policies):
+    """Wan 2.2 TI2V-5B's folder layout (``expand_timesteps`` in model_index.json, a VAE with
+    ``patch_size`` 2 and ``scale_factor_spatial`` 16) is a WanPolicy: latents are 1/16 of the
+    frame, sizes must be multiples of 16 x the transformer's patch 2, and the transformer takes
+    one timestep per latent token."""
+    policy = policies["wan2.2"]
+    assert type(policy) is WanPolicy and policy.pipeline.config.expand_timesteps
+    assert policy.latent_shape(64, 64, 5) == (8, 2, 4, 4)
+    assert policy.image_seq_len(torch.zeros(1, 8, 2, 4, 4)) == 2 * 2 * 2
+    with pytest.raises(ValueError, match="height=48"):
+        policy.latent_shape(48, 64, 5)
+    embeds = policy.encode_prompts(["a cat", "a dog"], "cpu", guidance_scale=1.0)
+    latents = policy.prepare_latents(_generators(2), 64, 64, 5, "cpu")
+    timesteps = []
+    hook = policy.transformer.register_forward_pre_hook(
+        lambda module, args, kwargs: timesteps.append(kwargs["timestep"]), with_kwargs=True)
+    try:
+        with torch.no_grad():  # per-sample timesteps, as the likelihood-free objectives train
+            v = policy.predict_velocity(policy.transformer, latents, torch.tensor([900.0, 100.0]), embeds, 1.0)
+            v0 = policy.predict_velocity(policy.transformer, latents[:1], torch.tensor([900.0]), {
+                "prompt_embeds": embeds["prompt_embeds"][:1]}, 1.0)
+    finally:
+        hook.remove()
+    # As WanPipeline passes them: (B, frames x h/2 x w/2 tokens), each row its sample's timestep.
+    torch.testing.assert_close(timesteps[0], torch.tensor([[900.0] * 8, [100.0] * 8]))
+    assert v.shape == latents.shape
+    torch.testing.assert_close(v[:1], v0, rtol=0, atol=1e-5)
 
 
 def test_wan_unipc_scheduler_is_replaced_by_flow_match_euler_with_its_shift():

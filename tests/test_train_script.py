@@ -193,11 +193,14 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path,
       "--eval_log_samples", "2"]),
     ("flux", "jpeg_compressibility",
      ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard", "--grpo_guard_reweight"]),
+    # Wan 2.2 TI2V-5B's layout (16x patchifying VAE, a timestep per token), LoRA as users train the 5B.
+    ("wan2.2", "temporal_smoothness", ["--num_frames", "5", "--use_lora", "--rank", "4"]),
 ])
 def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, extra, prompt_file, tmp_path):
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline(family, str(tmp_path / f"tiny-{family}"))
+    layout, family = family, family.split("2.")[0]  # "wan2.2" is a layout of family "wan"
     out = str(tmp_path / "out")
     extra = [prompt_file if e == "PROMPTS" else e for e in extra]
     args = base_args(model, prompt_file, out, "--num_epochs", "1", "--sde_window_size", "2", *extra)
@@ -215,7 +218,7 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
     assert config["reward_models"] == {}  # rule-based rewards: no model, no template to trace
     exported = "pytorch_lora_weights.safetensors" if "--use_lora" in extra else "transformer"
     assert os.path.exists(os.path.join(out, exported))
-    if family == "wan":  # evaluation of a video model writes playable clips beside the grid
+    if layout == "wan":  # evaluation of a video model writes playable clips beside the grid
         from genrl.rewards.video_io import read_video
 
         clips = sorted(os.listdir(os.path.join(out, "samples", "eval-000000")))

@@ -12,7 +12,7 @@ from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
-from genrl.policies.wan import WanPolicy
+from genrl.policies.wan import WanPolicy, two_expert_message
 from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
@@ -34,7 +34,7 @@ def _read_json(path_or_id: str, filename: str, revision: str | None, required: b
         path = os.path.join(path_or_id, filename)
         if not os.path.isfile(path):
             if required:
-                raise ValueError(f"{path_or_id!r} has no {filename}; expected a diffusers pipeline folder.")
+                raise SetupError(f"{path_or_id!r} has no {filename}; expected a diffusers pipeline folder.")
             return None
     else:
         from huggingface_hub import hf_hub_download
@@ -83,7 +83,9 @@ def load_policy(
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
-        raise ValueError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+        raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+    if (index.get("transformer_2") or [None])[0] is not None:  # refused before two experts' weights load
+        raise SetupError(two_expert_message(path, index.get("boundary_ratio")))
     components = {  # saved as null: stay None
         name: None
         for name, value in index.items()

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from genrl.errors import SetupError
 from genrl.policies.base import FlowPolicy, check_divisible, module_dtype
+
+
+def two_expert_message(source: str, boundary_ratio: float | None) -> str:
+    """Why a Wan 2.2 pipeline with two expert transformers (A14B) is refused, in one sentence."""
+    return (
+        f"{source!r} is a two-expert Wan 2.2 pipeline (transformer for timesteps from {boundary_ratio} x 1000 up, "
+        "transformer_2 below), and genrl trains one transformer that samples every step; use a single-transformer "
+        "Wan model (Wan2.2-TI2V-5B, Wan2.1-T2V-1.3B or -14B)."
+    )
 
 
 class WanPolicy(FlowPolicy):
@@ -17,9 +27,7 @@ class WanPolicy(FlowPolicy):
 
     def __init__(self, pipeline, **defaults):
         if getattr(pipeline, "transformer_2", None) is not None:
-            raise ValueError(
-                "Two-stage Wan 2.2 pipelines (transformer_2) are not supported; use a single-transformer Wan pipeline."
-            )
+            raise SetupError(two_expert_message(type(pipeline).__name__, pipeline.config.get("boundary_ratio")))
         super().__init__(pipeline, **defaults)
 
     def pipeline_default_size(self) -> tuple[int, int, int]:

@@ -46,10 +46,15 @@ from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeli
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 FAMILIES = ("wan", "sd3", "flux")
+# Layouts of a family beyond its first, built by name too: "wan2.2" is Wan 2.2 TI2V-5B's (a 16x
+# VAE that patchifies its frames, one timestep per latent token); it loads as family "wan".
+VARIANTS = ("wan2.2",)
 
-# Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames.
+# Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
+# (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
 TINY_SAMPLING_DEFAULTS = {
     "wan": {"height": 32, "width": 32, "num_frames": 5},
+    "wan2.2": {"height": 64, "width": 64, "num_frames": 5},
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
 }
@@ -147,20 +152,10 @@ def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float)
     )
 
 
-def _build_wan() -> WanPipeline:
-    z_dim = 4
-    vae = AutoencoderKLWan(
-        base_dim=4,
-        z_dim=z_dim,
-        dim_mult=[1, 1, 1, 1],  # 8x spatial, 4x temporal compression, like the full model
-        num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-        # Non-trivial statistics so that decoding must undo them the way WanPipeline does.
-        latents_mean=[-0.75, -0.7, -0.9, 0.1],
-        latents_std=[2.8, 1.45, 2.3, 2.65],
-    )
-    text_config = UMT5Config(**_TINY_T5)
-    transformer = WanTransformer3DModel(
+def _wan_pipeline(vae: AutoencoderKLWan, shift: float, **config) -> WanPipeline:
+    """A ``WanPipeline`` around ``vae`` with a tiny transformer of its latent width and UMT5."""
+    z_dim = vae.config.z_dim
+    transformer = WanTransformer3DModel(  # before the text encoder: the weights of a seed stay put
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -176,11 +171,49 @@ def _build_wan() -> WanPipeline:
     )
     return WanPipeline(
         tokenizer=tiny_tokenizer(add_bos=False),
-        text_encoder=UMT5EncoderModel(text_config),
+        text_encoder=UMT5EncoderModel(UMT5Config(**_TINY_T5)),
         vae=vae,
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
         transformer=transformer,
+        **config,
     )
+
+
+def _build_wan() -> WanPipeline:
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=4,
+        dim_mult=[1, 1, 1, 1],  # 8x spatial, 4x temporal compression, like the full model
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        # Non-trivial statistics so that decoding must undo them the way WanPipeline does.
+        latents_mean=[-0.75, -0.7, -0.9, 0.1],
+        latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+    return _wan_pipeline(vae, shift=3.0)
+
+
+def _build_wan22() -> WanPipeline:
+    """Wan 2.2 TI2V-5B's layout: its VAE patchifies RGB 2x2 (12 channels in and out), has
+    residual down blocks and a wider decoder, and compresses 16x in space; the pipeline gives
+    the transformer one timestep per latent token (``expand_timesteps``)."""
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        decoder_base_dim=8,
+        z_dim=8,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+        is_residual=True,
+        in_channels=12,
+        out_channels=12,
+        patch_size=2,
+        scale_factor_spatial=16,
+        scale_factor_temporal=4,
+        latents_mean=[-0.75, -0.7, -0.9, 0.1, 0.2, -0.3, 0.5, 0.0],
+        latents_std=[2.8, 1.45, 2.3, 2.65, 1.0, 1.5, 0.9, 2.0],
+    )
+    return _wan_pipeline(vae, shift=5.0, expand_timesteps=True)
 
 
 def _build_sd3() -> StableDiffusion3Pipeline:
@@ -246,16 +279,17 @@ def _build_flux() -> FluxPipeline:
     )
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux}
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
-    """A tiny random-init pipeline of ``family`` ("wan", "sd3" or "flux"), float32 on CPU.
+    """A tiny random-init pipeline of ``family`` ("wan", "sd3" or "flux", or a layout in
+    ``VARIANTS``), float32 on CPU.
 
     The same seed gives the same weights; the global torch RNG is left untouched.
     """
     if family not in _BUILDERS:
-        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES}.")
+        raise ValueError(f"Unknown family {family!r}; expected one of {FAMILIES + VARIANTS}.")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         pipeline = _BUILDERS[family]()
