@@ -297,7 +297,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--rank", type=int, default=32, help="LoRA rank.")
     group.add_argument("--lora_alpha", type=int, default=64, help="LoRA alpha (scale = alpha / rank).")
     group.add_argument("--lora_target_modules", type=str, default="to_q,to_k,to_v,to_out.0",
-                       help="Comma-separated module names (suffixes) to adapt.")
+                       help="Comma-separated module names to adapt; each matches the modules whose dotted name ends "
+                       "with it (attn.to_q: the joint attention's, not SD3.5-M's attn2.to_q).")
 
     group = parser.add_argument_group("EMA")
     group.add_argument("--use_ema", action="store_true", help="Keep an fp32 EMA of the trained weights (used by eval and export).")

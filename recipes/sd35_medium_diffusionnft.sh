@@ -7,7 +7,8 @@
 # beta 1, advantages over the epoch's standard deviation clipped at 5, KL 1e-4 to the base (on the
 # velocities), the sampling policy soft-updated (eta = min(0.001 step, 0.5)), an EMA of the LoRA
 # (decay 0.9 every step) for evaluation and export, LoRA r32/alpha64 on the joint attention's
-# image and text projections, lr 3e-4. Evaluation: 40 steps, CFG-free (the paper's with Euler steps,
+# image and text projections (`attn.`: not the image-only `attn2` of SD3.5-M's first 13 blocks),
+# lr 3e-4. Evaluation: 40 steps, CFG-free (the paper's with Euler steps,
 # genrl's with the rollouts' solver). The paper trains
 # PickScore, HPSv2, OCR or GenEval; genrl ships HPSv3 (swap in your own with --reward_fn). An epoch
 # draws 48 prompts: point PROMPTS at a real prompt set (the paper's PickScore split has about 25k);
@@ -25,7 +26,7 @@ accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "$
   --group_size 24 --rollout_batch_size 9 --rollout_batches_per_epoch 16 \
   --train_batch_size 9 --gradient_accumulation_steps 16 --timestep_fraction 0.9 \
   --use_lora --rank 32 --lora_alpha 64 \
-  --lora_target_modules "to_q,to_k,to_v,to_out.0,add_q_proj,add_k_proj,add_v_proj,to_add_out" \
+  --lora_target_modules "attn.to_q,attn.to_k,attn.to_v,attn.to_out.0,attn.add_q_proj,attn.add_k_proj,attn.add_v_proj,attn.to_add_out" \
   --learning_rate 3e-4 --max_grad_norm 1.0 --mixed_precision bf16 \
   --use_ema --ema_decay 0.9 --ema_update_interval 1 \
   --checkpointing_steps 30 --checkpoints_total_limit 3 --eval_steps 10 \

@@ -195,7 +195,7 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
 
 
 @pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
-                                                    ("sd3", 1.0), ("flux", 3.0)])
+                                                    ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames."""
@@ -215,7 +215,7 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
     if policy.family == "wan":
         out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs).frames
         expected = out.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
-    elif family == "sd3":
+    elif policy.family == "sd3":
         out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images
         expected = out.unsqueeze(2)
     else:

@@ -1,5 +1,6 @@
-"""Every flag a recipe passes must exist (recipes are parsed by the trainer's own parser), and the
-DiffusionNFT recipe's flags train a tiny model end to end."""
+"""Every flag a recipe passes must exist (recipes are parsed by the trainer's own parser), the
+SD3.5-M recipes adapt the modules their papers do, and the DiffusionNFT recipe's flags train a tiny
+model end to end."""
 
 import glob
 import json
@@ -7,6 +8,7 @@ import os
 import shlex
 
 import pytest
+import torch
 
 from conftest import ROOT, run_script
 
@@ -42,6 +44,28 @@ def test_there_are_recipes_for_wan_sd35_and_flux():
     assert "wan21" in names and "sd35" in names and "flux" in names
 
 
+@pytest.mark.parametrize("name", ["sd35_medium_flow_grpo.sh", "sd35_medium_diffusionnft.sh"])
+def test_sd35_recipes_adapt_the_joint_attention_as_their_papers_do(name):
+    """Flow-GRPO's and DiffusionNFT's SD3.5-M LoRA: the joint attention's image and text
+    projections (``attn.to_q`` ... ``attn.to_add_out``) in every block, and not the image-only
+    ``attn2`` that SD3.5-M's first blocks add (bare suffixes such as ``to_q`` would take it too)."""
+    import re
+
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline
+    from genrl.trainable import make_trainable
+
+    args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
+    transformer = build_tiny_pipeline("sd3.5").transformer
+    assert any(n.endswith("attn2.to_q") for n, _ in transformer.named_modules())  # the SD3.5-M layout
+    joint = re.compile(r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$")
+    expected = {n for n, m in transformer.named_modules() if joint.search(n) and isinstance(m, torch.nn.Linear)}
+    make_trainable(transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
+                   lora_target_modules=args.lora_target_modules, gradient_checkpointing=False, float32=True)
+    adapted = {n for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
+    assert (args.rank, args.lora_alpha) == (32, 64)
+    assert adapted == expected, sorted(adapted ^ expected)
+
+
 # The recipe's training flags on the tiny model, CPU-sized: what is overridden is only what needs a
 # GPU, a Hub model or a real prompt set (argparse keeps the last value of a repeated flag).
 TINY_OVERRIDES = [
@@ -53,18 +77,22 @@ TINY_OVERRIDES = [
 ]
 
 
-def test_the_diffusionnft_recipe_trains_the_tiny_sd3_end_to_end(tiny_sd3, prompt_file, tmp_path):
+def test_the_diffusionnft_recipe_trains_the_tiny_sd35_end_to_end(prompt_file, tmp_path):
     # Its soft-updated sampling policy, EMA, KL, global std, ab2 rollouts and LoRA on the joint
-    # attention's text projections together, as the recipe sets them.
+    # attention's text projections together, as the recipe sets them, on SD3.5-M's layout.
     from safetensors.torch import load_file
 
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
+
+    model = save_tiny_pipeline("sd3.5", tmp_path / "tiny-sd3.5")
     words = recipe_words(os.path.join(ROOT, "recipes", "sd35_medium_diffusionnft.sh"))
     out = tmp_path / "out"
     overrides = [w.format(prompts=prompt_file) for w in TINY_OVERRIDES]
     # The recipe's own config (ZeRO-2), one process.
-    run_script("train_genrl.py", [*words, "--pretrained_model_name_or_path", tiny_sd3, *overrides, "--output_dir", str(out)],
+    run_script("train_genrl.py", [*words, "--pretrained_model_name_or_path", model, *overrides, "--output_dir", str(out)],
                config="zero2")
     trained = [json.loads(l) for l in open(out / "logs" / "metrics.jsonl") if '"train/' in l]
     assert len(trained) == 3 and all("train/kl" in l and "train/old_deviation" in l for l in trained)
     lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
     assert any("add_q_proj" in k for k in lora) and any("to_add_out" in k for k in lora), sorted(lora)[:8]
+    assert not any("attn2" in k for k in lora), sorted(lora)[:8]

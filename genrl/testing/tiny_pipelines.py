@@ -46,9 +46,10 @@ from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeli
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 FAMILIES = ("wan", "sd3", "flux")
-# Layouts of a family beyond its first, built by name too: "wan2.2" is Wan 2.2 TI2V-5B's (a 16x
-# VAE that patchifies its frames, one timestep per latent token); it loads as family "wan".
-VARIANTS = ("wan2.2",)
+# Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
+# Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
+# SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys).
+VARIANTS = ("wan2.2", "sd3.5")
 
 # Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
 # (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
@@ -56,6 +57,7 @@ TINY_SAMPLING_DEFAULTS = {
     "wan": {"height": 32, "width": 32, "num_frames": 5},
     "wan2.2": {"height": 64, "width": 64, "num_frames": 5},
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
+    "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
 }
 
@@ -216,7 +218,7 @@ def _build_wan22() -> WanPipeline:
     return _wan_pipeline(vae, shift=5.0, expand_timesteps=True)
 
 
-def _build_sd3() -> StableDiffusion3Pipeline:
+def _build_sd3(**transformer_config) -> StableDiffusion3Pipeline:
     latent_channels = 4
     transformer = SD3Transformer2DModel(
         sample_size=8,  # 32 px / 4x VAE compression: sets the default resolution
@@ -230,6 +232,7 @@ def _build_sd3() -> StableDiffusion3Pipeline:
         pooled_projection_dim=32,  # the two CLIP projections concatenated (16 + 16)
         out_channels=latent_channels,
         pos_embed_max_size=16,
+        **transformer_config,
     )
     return StableDiffusion3Pipeline(
         transformer=transformer,
@@ -279,7 +282,13 @@ def _build_flux() -> FluxPipeline:
     )
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22}
+def _build_sd35() -> StableDiffusion3Pipeline:
+    """SD3.5-Medium's layout (MMDiT-X): blocks 0-12 of its 24 add an image-only attention
+    (``attn2``) beside the joint one, and every attention RMS-norms its queries and keys."""
+    return _build_sd3(dual_attention_layers=(0,), qk_norm="rms_norm")
+
+
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
