@@ -66,6 +66,21 @@ def test_sd35_recipes_adapt_the_joint_attention_as_their_papers_do(name):
     assert adapted == expected, sorted(adapted ^ expected)
 
 
+@pytest.mark.parametrize("name, groups, steps, timesteps, ema_interval", [
+    ("sd35_medium_flow_grpo.sh", 48, 2, 9, 8),  # pickscore_sd3: 48 prompts x 24, two updates an epoch
+    ("sd35_medium_diffusionnft.sh", 48, 1, 9, 1),  # one update an epoch
+])
+def test_sd35_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps, timesteps, ema_interval):
+    """The epoch each recipe's header claims, at its default 8 processes: prompt groups, optimizer
+    steps, trained timesteps per sample, global advantage std and the EMA's decay and interval."""
+    args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
+    per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
+    assert (args.group_size, 8 * per_gpu // args.group_size) == (24, groups)
+    assert per_gpu // (args.train_batch_size * args.gradient_accumulation_steps) == steps
+    assert train_args.num_trained_timesteps(args) == timesteps
+    assert args.std_mode == "global" and args.use_ema and (args.ema_decay, args.ema_update_interval) == (0.9, ema_interval)
+
+
 # The recipe's training flags on the tiny model, CPU-sized: what is overridden is only what needs a
 # GPU, a Hub model or a real prompt set (argparse keeps the last value of a repeated flag).
 TINY_OVERRIDES = [
