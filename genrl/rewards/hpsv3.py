@@ -33,7 +33,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS, fetch_hub_file, resolve_folder
+from genrl.rewards.model_reward import ScorerFamily, build_scorer_reward, fetch_hub_file, resolve_folder
+from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS
 from genrl.rewards.qwen2vl_preprocess import (
     HPSV3_PIXELS,
     PromptTemplate,
@@ -42,7 +43,7 @@ from genrl.rewards.qwen2vl_preprocess import (
     load_chat_template,
     resolve_prompt_template,
 )
-from genrl.rewards.qwen2vl_scorer import SHORT_HASH, Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
+from genrl.rewards.qwen2vl_scorer import SHORT_HASH, Qwen2VLScorer, load_reward_model
 
 logger = logging.getLogger(__name__)
 

@@ -22,14 +22,13 @@ import itertools
 import json
 import os
 import re
-from typing import Iterator, Mapping, Optional, Sequence, Union
+from typing import Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
 # Reward models are frozen: they are built outside ZeRO-3's partitioning (see genrl.distributed).
 from genrl.distributed import zero_init_disabled as zero3_init_disabled
-from genrl.errors import SetupError, hub_failure_reason
 
 PEFT_PREFIX = "base_model.model."
 _TEXT_PARTS = ("embed_tokens", "layers", "norm")
@@ -475,53 +474,6 @@ def reward_hidden_states(
 
 # Everything of a base Qwen2-VL repo but its weights: the reward checkpoints hold all weights.
 BASE_FOLDER_PATTERNS = ("*.json", "*.jinja", "*.txt", "*.model", "tokenizer*")
-
-
-def resolve_folder(path_or_repo: str, allow_patterns: Optional[Sequence[str]] = None) -> str:
-    """A local folder as is, else a Hub repo id fetched with ``huggingface_hub.snapshot_download``
-    (from the local cache when offline); a failed download is a ``SetupError`` naming the repo."""
-    if os.path.isdir(path_or_repo):
-        return path_or_repo
-    if os.path.exists(path_or_repo) or path_or_repo.count("/") != 1:
-        raise FileNotFoundError(f"{path_or_repo!r} is neither a folder nor a Hub repo id ('org/name').")
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(path_or_repo, allow_patterns=list(allow_patterns) if allow_patterns else None)
-    except Exception as error:
-        raise SetupError(f"Hub repo {path_or_repo!r} could not be fetched: {hub_failure_reason(error)}") from error
-
-
-def fetch_hub_file(repo: str, filename: str) -> str:
-    """``filename`` of Hub repo ``repo`` (from the local cache when offline); a failed download is
-    a ``SetupError`` naming the repo."""
-    from huggingface_hub import hf_hub_download
-
-    try:
-        return hf_hub_download(repo, filename)
-    except Exception as error:
-        raise SetupError(f"Hub repo {repo!r} ({filename}) could not be fetched: {hub_failure_reason(error)}") from error
-
-
-def reward_sources_error(name: str, sources: Mapping[str, str], error: SetupError) -> SetupError:
-    """One sentence for a reward model that could not be loaded from the Hub: the sources it
-    needs (``{option: repo or path}``), what failed, and the ``--reward_options`` that points
-    the reward ``name`` at local copies."""
-    needs = " and ".join(f"{option} {source!r}" for option, source in sources.items())
-    local = json.dumps({name: {option: f"/path/to/{os.path.basename(source.rstrip('/'))}" for option, source in sources.items()}})
-    return SetupError(f"Reward {name!r} needs {needs}; {error}; give local copies with --reward_options '{local}'.")
-
-
-def resolve_dtype(dtype, device: Union[str, torch.device]) -> torch.dtype:
-    """``None`` -> bfloat16 on CUDA, float32 elsewhere; ``"bfloat16"``/``"float16"``/``"float32"`` or a dtype."""
-    if dtype is None:
-        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    resolved = getattr(torch, str(dtype).replace("torch.", ""), None)
-    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
-        raise ValueError(f"Unknown dtype {dtype!r}; expected 'bfloat16', 'float16' or 'float32'.")
-    return resolved
 
 
 def load_base_parts(base_folder: str):

@@ -1,4 +1,5 @@
-"""What the Qwen2-VL reward models (HPSv3, VideoAlign) share: loading, batched scoring, the registry factory.
+"""What the Qwen2-VL reward models (HPSv3, VideoAlign) share: loading and batched scoring (their registry
+factory is `genrl.rewards.model_reward`'s).
 
 Both are a Qwen2-VL with a head, ``rm_head``, read at the special reward tokens of a prompt
 template, with the forward they were trained with (`qwen2vl_compat.reward_hidden_states`).
@@ -11,8 +12,6 @@ media it was trained on (images or videos), its sources and options.
   original forward -> hidden states at the reward tokens -> ``head_scores``);
 - `load_reward_model`: checkpoint -> remapped, strictly loaded model with its head, built
   on the meta device without allocating the skeleton;
-- `build_scorer_reward`: the registry factory's common part (checks, cache key, one shared
-  model per load through `lifecycle`, one sentence when a Hub download fails);
 - `template_sha256`: which prompt template text a scorer uses, as a digest logged at load
   (the text itself is read from its upstream source at run time, never copied here).
 """
@@ -21,15 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
-from genrl.errors import SetupError
 from genrl.rewards import lifecycle
-from genrl.rewards.layouts import prepare_images_tensor
+from genrl.rewards.model_reward import resolve_dtype
 from genrl.rewards.qwen2vl_compat import (
     alias_embed_tokens,
     build_qwen2vl_model,
@@ -38,9 +35,7 @@ from genrl.rewards.qwen2vl_compat import (
     load_checkpoint_state_dict,
     load_state_dict_strict,
     normalize_qwen2vl_state_dict,
-    resolve_dtype,
     reward_hidden_states,
-    reward_sources_error,
     set_vocab_size,
 )
 from genrl.rewards.qwen2vl_preprocess import (
@@ -179,67 +174,3 @@ def load_reward_model(
     del state_dict  # the model holds the weights now; nothing else should keep the loaded copy alive
     alias_embed_tokens(model)
     return model.to(device), tokenizer
-
-
-@dataclass(frozen=True)
-class ScorerFamily:
-    """What a registry factory needs to know of one reward model.
-
-    ``cache_name`` names it in the `lifecycle` cache; ``rewards`` are its registry names;
-    ``options`` the factory accepts; ``cache_fields``: the options that make two loads
-    different models; ``sources``: option -> default repo, named when a download fails.
-    """
-
-    family: str
-    cache_name: str
-    rewards: tuple[str, ...]
-    options: frozenset[str]
-    cache_fields: tuple[str, ...]
-    sources: Mapping[str, str]
-
-
-ScoreFn = Callable[[Qwen2VLScorer, torch.Tensor, list[str], Optional[Sequence[Mapping]]], dict[str, torch.Tensor]]
-
-
-def build_scorer_reward(
-    family: ScorerFamily,
-    name: str,
-    device: Union[str, torch.device],
-    options: Mapping[str, Any],
-    load: Callable[..., Qwen2VLScorer],
-    score: ScoreFn,
-) -> Callable[..., dict[str, torch.Tensor]]:
-    """A registry reward ``fn(samples, prompts, metadata=None)`` -> ``{registry name: (N,)}``.
-
-    Loads (or shares through `lifecycle`) the scorer ``load(device=..., **options)`` now, so
-    errors surface at start-up; each call turns ``samples`` into uint8 ``(N, F, H, W, 3)``
-    clips and returns ``score(scorer, clips, prompts, metadata)``.
-    """
-    if name not in family.rewards:
-        raise ValueError(f"Unknown {family.family} reward {name!r}; expected one of {sorted(family.rewards)}.")
-    unknown = set(options) - family.options
-    if unknown:
-        raise ValueError(f"Unknown {family.family} options {sorted(unknown)}; accepted: {sorted(family.options)}.")
-
-    def build(dev: torch.device) -> Qwen2VLScorer:
-        try:
-            return load(device=dev, **options)
-        except SetupError as error:  # a Hub download failed: say which sources and how to give local ones
-            sources = {option: options.get(option) or default for option, default in family.sources.items()}
-            raise reward_sources_error(name, sources, error) from error
-
-    get_scorer = lifecycle.reward_model_handle(family.cache_name, cache_key(options, device, family.cache_fields), device, build)
-
-    def reward(samples: Any, prompts: Sequence[str], metadata: Optional[Sequence[Mapping]] = None) -> dict[str, torch.Tensor]:
-        scorer = get_scorer()  # at call time: a model freed by clear_reward_models is rebuilt here
-        if prompts is None:
-            raise ValueError("This reward scores images against their prompts; got prompts=None.")
-        return score(scorer, prepare_images_tensor(samples), list(prompts), metadata)
-
-    return reward
-
-
-def cache_key(options: Mapping[str, Any], device: Union[str, torch.device], fields: Sequence[str]) -> str:
-    """What makes two loads the same model: the option ``fields`` and the resolved dtype."""
-    dtype = resolve_dtype(options.get("dtype"), device)
-    return "|".join(f"{f}={options.get(f)}" for f in fields) + f"|dtype={dtype}"

@@ -61,7 +61,8 @@ import torch
 from torch import nn
 
 from genrl.rewards.frame_selection import select_frame_indices
-from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS, resolve_folder
+from genrl.rewards.model_reward import ScorerFamily, build_scorer_reward, resolve_folder
+from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS
 from genrl.rewards.qwen2vl_preprocess import (
     VIDEO_MAX_PIXELS,
     VIDEO_MIN_PIXELS,
@@ -71,7 +72,7 @@ from genrl.rewards.qwen2vl_preprocess import (
     load_chat_template,
     resolve_prompt_template,
 )
-from genrl.rewards.qwen2vl_scorer import Qwen2VLScorer, ScorerFamily, build_scorer_reward, load_reward_model
+from genrl.rewards.qwen2vl_scorer import Qwen2VLScorer, load_reward_model
 
 logger = logging.getLogger(__name__)
 
