@@ -11,13 +11,13 @@
 # weight decay 1e-4, grad norm 1; evaluation with 40 steps. Where genrl differs: Flow-GRPO's last
 # sampling step is stochastic too and it trains 0.99 of those 10 (9); genrl's last step lands on
 # sigma 0 without noise, so all 9 of its stochastic steps are trained (--timestep_fraction 1).
-# Reward: HPSv3 (the paper's PickScore is not shipped; swap in your own with --reward_fn).
+# Reward: PickScore, as pickscore_sd3 (swap in HPSv3 or your own with --reward_fn).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "${NUM_GPUS:-8}" train_genrl.py \
   --pretrained_model_name_or_path stabilityai/stable-diffusion-3.5-medium \
   --prompt_dataset "${PROMPTS:-genrl/assets/prompts/image_prompts.txt}" \
-  --reward_fn "hpsv3:1.0" --reward_mode async --reward_device cuda \
+  --reward_fn "pickscore:1.0" --reward_mode async --reward_device cuda \
   --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 \
   --guidance_scale 4.5 --noise_level 0.7 \
   --group_size 24 --rollout_batch_size 9 --rollout_batches_per_epoch 16 \

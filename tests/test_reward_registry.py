@@ -47,8 +47,8 @@ def test_bad_weight(spec):
 
 
 def test_unknown_name_lists_known_ones():
-    with pytest.raises(ValueError, match="Unknown reward 'pickscore'") as err:
-        parse_reward_spec("hpsv3,pickscore:1")
+    with pytest.raises(ValueError, match="Unknown reward 'imagereward'") as err:
+        parse_reward_spec("hpsv3,imagereward:1")
     for name in QWEN_NAMES + ["jpeg_compressibility", "temporal_smoothness"]:
         assert name in str(err.value)
 
@@ -65,7 +65,7 @@ def test_malformed_specs(spec):
 def test_importing_rewards_imports_no_reward_model():
     code = (
         "import sys, genrl.rewards as r; "
-        "heavy = ('transformers', 'genrl.rewards.hpsv3', 'genrl.rewards.videoalign'); "
+        "heavy = ('transformers', 'genrl.rewards.hpsv3', 'genrl.rewards.videoalign', 'genrl.rewards.pickscore'); "
         "print(sorted(m for m in sys.modules if m in heavy)); "
         "print(r.known_rewards())"
     )
@@ -73,7 +73,7 @@ def test_importing_rewards_imports_no_reward_model():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     out = result.stdout.splitlines()
     assert out[0] == "[]"
-    for name in QWEN_NAMES:
+    for name in QWEN_NAMES + ["pickscore"]:
         assert name in out[1]
 
 

@@ -346,6 +346,7 @@ for _name in ("hpsv3", "hpsv3_top30"):
     register_reward(_name, "genrl.rewards.hpsv3:build_hpsv3_reward")
 for _name in ("videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"):
     register_reward(_name, "genrl.rewards.videoalign:build_videoalign_reward")
+register_reward("pickscore", "genrl.rewards.pickscore:build_pickscore_reward")
 
 
 def build_eval_reward_fn(
