@@ -15,12 +15,15 @@ from genrl.errors import SetupError
 from genrl.rewards import lifecycle
 from genrl.rewards.pickscore import build_pickscore_reward, load_pickscore_scorer
 from genrl.rewards.registry import build_reward_fn
-from genrl.testing.tiny_pipelines import TINY_MAX_LENGTH, TINY_VOCAB, tiny_tokenizer
+from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 torch.set_num_threads(2)
 SIZE, CROP = 40, 32
 MEAN, STD = [0.48145466, 0.4578275, 0.40821073], [0.26862954, 0.26130258, 0.27577711]
 PROMPTS = ["a red circle", "two blue squares", "a green triangle above a red circle"]
+# Special tokens first (pad 0, eos 1: CLIP pools at the eos token), then the prompts' words.
+VOCAB = ("<pad>", "<eos>", "<unk>", "<bos>", *sorted({w for p in PROMPTS for w in p.split()}))
+MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +31,14 @@ def folders(tmp_path_factory):
     """``(model folder, processor folder)``: a random tiny CLIP, and a tokenizer with a
     preprocessor_config.json in the old feature-extractor form laion's CLIP-ViT-H-14 repo has."""
     root = tmp_path_factory.mktemp("pickscore")
-    text = dict(vocab_size=len(TINY_VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                num_attention_heads=2, max_position_embeddings=TINY_MAX_LENGTH, pad_token_id=0, eos_token_id=1, bos_token_id=3)
+    text = dict(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                num_attention_heads=2, max_position_embeddings=MAX_TOKENS, pad_token_id=0, eos_token_id=1, bos_token_id=3)
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=CROP, patch_size=8)
     torch.manual_seed(0)
     model = CLIPModel(CLIPConfig(text_config=text, vision_config=vision, projection_dim=8, logit_scale_init_value=3.0))
     model.save_pretrained(root / "model")
     processor = root / "processor"
-    tiny_tokenizer().save_pretrained(processor)
+    word_level_tokenizer(VOCAB, MAX_TOKENS, template=BOS_EOS_TEMPLATE).save_pretrained(processor)
     (processor / "preprocessor_config.json").write_text(json.dumps({
         "crop_size": CROP, "do_center_crop": True, "do_normalize": True, "do_resize": True,
         "feature_extractor_type": "CLIPFeatureExtractor", "image_mean": MEAN, "image_std": STD, "resample": 3, "size": SIZE,

@@ -125,9 +125,10 @@ def load_pickscore_scorer(
         model_folder = resolve_folder(checkpoint or DEFAULT_CHECKPOINT, CHECKPOINT_PATTERNS[1])
     processor_folder = resolve_folder(processor or DEFAULT_PROCESSOR, PROCESSOR_PATTERNS)
     with zero_init_disabled():  # a frozen reward model is never partitioned by ZeRO-3
-        model = CLIPModel.from_pretrained(model_folder, dtype=resolve_dtype(dtype, device))
+        # Cast after loading: from_pretrained's dtype argument is named differently in 4.x and 5.x.
+        model = CLIPModel.from_pretrained(model_folder).to(device, resolve_dtype(dtype, device))
     return PickScoreScorer(
-        model.to(device), AutoTokenizer.from_pretrained(processor_folder),
+        model, AutoTokenizer.from_pretrained(processor_folder),
         AutoImageProcessor.from_pretrained(processor_folder), device, batch_size=batch_size,
     )
 
