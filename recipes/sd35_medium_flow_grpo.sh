@@ -2,11 +2,11 @@
 # Stable Diffusion 3.5 Medium with Flow-GRPO's published SD3.5-M settings (yifan123/flow_grpo,
 # config/grpo.py, pickscore_sd3), laid out for 8 GPUs: 48 groups of 24 images an epoch (each GPU 16
 # rollout batches of 9), two optimizer steps an epoch (micro batch 9 x 8), 10 sampling steps with
-# SDE noise 0.7 and CFG 4.5 (trained with CFG), 9 trained steps per image, advantages over the
-# epoch's standard deviation (global_std) clipped at 5, PPO clip 1e-4, KL beta 0.01 (PickScore;
-# Flow-GRPO uses 0.04 for OCR and GenEval) in Flow-GRPO's SD3 convention (--kl_form
-# sde_variance: divided by 2 std_t^2, not by the transition variance), an EMA (decay 0.9 every 8
-# steps) for evaluation and export, LoRA r32/alpha64 on the joint attention's image and text
+# SDE noise 0.7 and CFG 4.5 (trained with CFG), independent initial noise per image, 9 trained
+# steps per image, advantages over the epoch's standard deviation (global_std) clipped at 5, PPO
+# clip 1e-4, KL beta 0.01 (PickScore; Flow-GRPO uses 0.04 for OCR and GenEval) in Flow-GRPO's SD3
+# convention (--kl_form sde_variance: divided by 2 std_t^2, not by the transition variance), an
+# EMA (decay 0.9 every 8 steps) for evaluation and export, LoRA r32/alpha64 on the joint attention's image and text
 # projections (`attn.`: not the image-only `attn2` of SD3.5-M's first 13 blocks), AdamW lr 3e-4,
 # weight decay 1e-4, grad norm 1; evaluation with 40 steps. Where genrl differs: Flow-GRPO's last
 # sampling step is stochastic too and it trains 0.99 of those 10 (9); genrl's last step lands on
@@ -19,7 +19,7 @@ accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "$
   --prompt_dataset "${PROMPTS:-genrl/assets/prompts/image_prompts.txt}" \
   --reward_fn "pickscore:1.0" --reward_mode async --reward_device cuda \
   --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 \
-  --guidance_scale 4.5 --noise_level 0.7 \
+  --guidance_scale 4.5 --noise_level 0.7 --no-same_latent \
   --group_size 24 --rollout_batch_size 9 --rollout_batches_per_epoch 16 \
   --train_batch_size 9 --gradient_accumulation_steps 8 --timestep_fraction 1.0 \
   --clip_range 1e-4 --beta 0.01 --kl_form sde_variance --adv_clip_max 5 --std_mode global \

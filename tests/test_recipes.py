@@ -1,6 +1,6 @@
 """Every flag a recipe passes must exist (recipes are parsed by the trainer's own parser), the
-SD3.5-M recipes adapt the modules their papers do, and the DiffusionNFT recipe's flags train a tiny
-model end to end."""
+image recipes lay out the epoch and adapt the modules their papers do, and the DiffusionNFT
+recipe's flags train a tiny model end to end."""
 
 import glob
 import json
@@ -44,41 +44,53 @@ def test_there_are_recipes_for_wan_sd35_and_flux():
     assert "wan21" in names and "sd35" in names and "flux" in names
 
 
-@pytest.mark.parametrize("name", ["sd35_medium_flow_grpo.sh", "sd35_medium_diffusionnft.sh"])
-def test_sd35_recipes_adapt_the_joint_attention_as_their_papers_do(name):
-    """Flow-GRPO's and DiffusionNFT's SD3.5-M LoRA: the joint attention's image and text
-    projections (``attn.to_q`` ... ``attn.to_add_out``) in every block, and not the image-only
-    ``attn2`` that SD3.5-M's first blocks add (bare suffixes such as ``to_q`` would take it too)."""
+JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
+
+
+@pytest.mark.parametrize("name, layout, adapted_pattern, rank", [
+    ("sd35_medium_flow_grpo.sh", "sd3.5", JOINT_ATTENTION, 32),
+    ("sd35_medium_diffusionnft.sh", "sd3.5", JOINT_ATTENTION, 32),
+    # Flow-GRPO's train_flux.py: the attention (single blocks' included) and the double blocks' feed-forwards.
+    ("flux1_dev_grpo.sh", "flux", JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.net\.(0\.proj|2)$", 64),
+])
+def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_pattern, rank):
+    """Flow-GRPO's and DiffusionNFT's LoRA targets, which name the joint attention's projections
+    ``attn.to_q`` ... ``attn.to_add_out``: on SD3.5-M not the image-only ``attn2`` its first blocks
+    add (bare suffixes such as ``to_q`` would take it too)."""
     import re
 
     from genrl.testing.tiny_pipelines import build_tiny_pipeline
     from genrl.trainable import make_trainable
 
     args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
-    transformer = build_tiny_pipeline("sd3.5").transformer
-    assert any(n.endswith("attn2.to_q") for n, _ in transformer.named_modules())  # the SD3.5-M layout
-    joint = re.compile(r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$")
-    expected = {n for n, m in transformer.named_modules() if joint.search(n) and isinstance(m, torch.nn.Linear)}
+    transformer = build_tiny_pipeline(layout).transformer
+    if layout == "sd3.5":
+        assert any(n.endswith("attn2.to_q") for n, _ in transformer.named_modules())  # the SD3.5-M layout
+    pattern = re.compile(adapted_pattern)
+    expected = {n for n, m in transformer.named_modules() if pattern.search(n) and isinstance(m, torch.nn.Linear)}
     make_trainable(transformer, use_lora=args.use_lora, rank=args.rank, lora_alpha=args.lora_alpha,
                    lora_target_modules=args.lora_target_modules, gradient_checkpointing=False, float32=True)
     adapted = {n for n, m in transformer.named_modules() if hasattr(m, "lora_A")}
-    assert (args.rank, args.lora_alpha) == (32, 64)
+    assert (args.rank, args.lora_alpha) == (rank, 2 * rank)
     assert adapted == expected, sorted(adapted ^ expected)
 
 
 @pytest.mark.parametrize("name, groups, steps, timesteps, ema_interval", [
     ("sd35_medium_flow_grpo.sh", 48, 2, 9, 8),  # pickscore_sd3: 48 prompts x 24, two updates an epoch
     ("sd35_medium_diffusionnft.sh", 48, 1, 9, 1),  # one update an epoch
+    ("flux1_dev_grpo.sh", 48, 2, 5, 8),  # pickscore_flux: 6 steps
 ])
-def test_sd35_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps, timesteps, ema_interval):
+def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps, timesteps, ema_interval):
     """The epoch each recipe's header claims, at its default 8 processes: prompt groups, optimizer
-    steps, trained timesteps per sample, global advantage std and the EMA's decay and interval."""
+    steps, trained timesteps per sample, independent initial noise, global advantage std, the
+    EMA's decay and interval, and PickScore as the reward."""
     args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
     per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
     assert (args.group_size, 8 * per_gpu // args.group_size) == (24, groups)
     assert per_gpu // (args.train_batch_size * args.gradient_accumulation_steps) == steps
     assert train_args.num_trained_timesteps(args) == timesteps
     assert args.std_mode == "global" and args.use_ema and (args.ema_decay, args.ema_update_interval) == (0.9, ema_interval)
+    assert not args.same_latent and args.reward_fn == "pickscore:1.0"
 
 
 # The recipe's training flags on the tiny model, CPU-sized: what is overridden is only what needs a
