@@ -82,6 +82,9 @@ def parse_args(input_args=None):
                         help="Default: what the export evaluated with during training, else 4.5.")
     parser.add_argument("--ode_solver", choices=ODE_SOLVERS, default=None,
                         help="Default: what the export evaluated with during training, else euler.")
+    parser.add_argument("--max_sequence_length", type=int, default=None,
+                        help="T5/UMT5 tokens per prompt, for both models of a comparison. Default: what the export "
+                        "trained with, else each pipeline's own.")
     parser.add_argument("--vae_decode_batch_size", type=int, default=1,
                         help="Samples per VAE decode call (1: bounded memory; any size: batch-layout independent).")
     parser.add_argument("--negative_prompt", type=str, default="")
@@ -105,11 +108,14 @@ def parse_args(input_args=None):
     # trained model is scored on the prompts, batches, noise and reward its training run used.
     trained = trained_settings(args.model) or trained_settings(args.compare)
     fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
-                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler", "samples_per_prompt": 1}
+                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler", "samples_per_prompt": 1,
+                "max_sequence_length": None}  # None: each pipeline's own
     for key, value in fallback.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, value))
 
+    if args.max_sequence_length is not None and args.max_sequence_length < 1:
+        parser.error(f"--max_sequence_length must be at least 1 token; got {args.max_sequence_length}.")
     if args.batch_size < 1:
         parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
     if args.samples_per_prompt < 1:
@@ -139,15 +145,16 @@ def _lora_file(path: str, use_ema: bool) -> str | None:
     return None
 
 
-def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch.dtype) -> FlowPolicy:
+def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch.dtype,
+               max_sequence_length: int | None = None) -> FlowPolicy:
     """Any model ``--model`` accepts -> a FlowPolicy with its trained weights in the transformer."""
     lora = _lora_file(path, use_ema)
     with zero_init_disabled():
         if lora is None:
-            return load_trained_policy(path, use_ema=use_ema, dtype=dtype)
+            return load_trained_policy(path, use_ema=use_ema, dtype=dtype, max_sequence_length=max_sequence_length)
         if base_model is None:
             raise ValueError(f"{path!r} is a bare LoRA adapter; give its base pipeline with --base_model.")
-        policy = load_policy(base_model, dtype=dtype)
+        policy = load_policy(base_model, dtype=dtype, max_sequence_length=max_sequence_length)
         policy.pipeline.load_lora_weights(os.path.dirname(os.path.abspath(lora)), weight_name=os.path.basename(lora))
         policy.pipeline.fuse_lora()
         policy.pipeline.unload_lora_weights()
@@ -174,13 +181,15 @@ def trained_settings(path: str | None) -> dict:
         "seed": trained.get("eval_seed"),
         "samples_per_prompt": trained.get("eval_samples_per_prompt"),
         "ode_solver": trained.get("ode_solver"),
+        "max_sequence_length": trained.get("max_sequence_length"),
     }
     return {k: v for k, v in settings.items() if v is not None}
 
 
 def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config):
     dtype = WEIGHT_DTYPES[args.mixed_precision]
-    policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype)
+    policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype,
+                        max_sequence_length=args.max_sequence_length)
     policy.to(accelerator.device)  # text encoders and VAE were loaded in dtype
     policy.transformer.to(accelerator.device)
     if dtype != torch.float32:

@@ -130,7 +130,8 @@ def main(args):
     with zero_init_disabled():
         try:
             policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype,
-                                 zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None)
+                                 zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None,
+                                 max_sequence_length=args.max_sequence_length)
         except SetupError as e:
             raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)

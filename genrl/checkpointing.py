@@ -80,7 +80,7 @@ RUN_IDENTITY_ARGS = (
     "group_size", "rollout_batch_size", "rollout_batches_per_epoch", "train_batch_size", "gradient_accumulation_steps",
     "reward_fn", "reward_options", "reward_combine", "num_inference_steps", "guidance_scale", "negative_prompt",
     "noise_level", "sde_type", "sde_window_size", "sde_window_range", "same_latent", "height", "width", "num_frames",
-    "objective", "use_lora", "rank",
+    "objective", "use_lora", "rank", "max_sequence_length",
 )
 
 
@@ -431,11 +431,14 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
     return state["global_step"], state["epoch"]
 
 
-def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype = torch.float32) -> FlowPolicy:
+def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype = torch.float32,
+                        max_sequence_length: int | None = None) -> FlowPolicy:
     """A policy from a base model (folder or Hub id), a genrl export, or a checkpoint folder.
 
     With ``use_ema`` the EMA weights are loaded; asking for them where there are none is a
     ``SetupError`` naming why (no such folder, a base model, a run without EMA).
+    ``max_sequence_length``: T5/UMT5 tokens per prompt; None: the training run's, else the
+    pipeline's default.
     """
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
@@ -445,12 +448,14 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         if use_ema:
             raise SetupError(f"{path!r} holds no {CONFIG_FILE}: it is a base model, not a genrl export or checkpoint, "
                              "so it has no EMA weights; leave out --use_ema.")
-        return load_policy(path, dtype=dtype)
+        return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length)
     with open(config_path) as f:
         config = json.load(f)
     if use_ema and not config.get("has_ema"):
         raise SetupError(f"{path!r} was trained without --use_ema, so it has no EMA weights; leave out --use_ema.")
-    policy = load_policy(config["base_model"], dtype=dtype)
+    if max_sequence_length is None:
+        max_sequence_length = config.get("args", {}).get("max_sequence_length")
+    policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length)
     suffix = "_ema" if use_ema else ""
     if config["use_lora"]:
         policy.pipeline.load_lora_weights(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)

@@ -179,6 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--height", type=int, default=None, help="Sample height in pixels (default: the model's).")
     group.add_argument("--width", type=int, default=None, help="Sample width in pixels (default: the model's).")
     group.add_argument("--num_frames", type=int, default=None, help="Video frames (video models; default: the model's).")
+    group.add_argument("--max_sequence_length", type=int, default=None,
+                       help="T5/UMT5 tokens per prompt, padded to it (default: the pipeline's, SD3 256, FLUX and Wan "
+                            "512; Flow-GRPO and DiffusionNFT use 128). Padding tokens join the transformer's attention.")
     group.add_argument("--num_inference_steps", type=int, default=10, help="Denoising steps per sample.")
     group.add_argument("--guidance_scale", type=float, default=4.5, help="Classifier-free guidance scale (1: off).")
     group.add_argument("--negative_prompt", type=str, default="", help="Negative prompt for classifier-free guidance.")
@@ -417,6 +420,8 @@ def validate_args(args) -> None:
     )
     if not 0 < args.timestep_fraction <= 1:
         raise ValueError(f"--timestep_fraction must be in (0, 1], got {args.timestep_fraction}.")
+    if args.max_sequence_length is not None and args.max_sequence_length < 1:
+        raise ValueError(f"--max_sequence_length must be at least 1 token; got {args.max_sequence_length}.")
     if not math.isfinite(args.noise_level) or args.noise_level < 0:
         raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {args.noise_level}.")
     if args.num_inference_steps < 1:

@@ -7,8 +7,8 @@
 # being stochastic too; genrl's lands on sigma 0 without noise), advantages over the epoch's
 # standard deviation clipped at 5, PPO clip 1e-4, no KL, an EMA (0.9 every 8 steps) for evaluation
 # and export, LoRA r64/alpha128 on the attention projections and the double blocks' feed-forwards
-# (Flow-GRPO's train_flux.py list), AdamW lr 3e-4, weight decay 1e-4, grad norm 1; evaluation with
-# 28 steps; PickScore as the reward. genrl adds gradient checkpointing (memory only: the same
+# (Flow-GRPO's train_flux.py list), AdamW lr 3e-4, weight decay 1e-4, grad norm 1; prompts in 128
+# T5 tokens; evaluation with 28 steps; PickScore as the reward. genrl adds gradient checkpointing (memory only: the same
 # gradients) and ZeRO-3, which shards the frozen 12B base across the GPUs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,7 @@ accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes "$
   --pretrained_model_name_or_path black-forest-labs/FLUX.1-dev \
   --prompt_dataset "${PROMPTS:-genrl/assets/prompts/image_prompts.txt}" \
   --reward_fn "pickscore:1.0" --reward_mode sync \
-  --resolution 512 --num_inference_steps 6 --eval_num_inference_steps 28 \
+  --resolution 512 --num_inference_steps 6 --eval_num_inference_steps 28 --max_sequence_length 128 \
   --guidance_scale 3.5 --noise_level 0.9 --no-same_latent \
   --group_size 24 --rollout_batch_size 3 --rollout_batches_per_epoch 48 \
   --train_batch_size 3 --gradient_accumulation_steps 24 --timestep_fraction 1.0 \

@@ -8,11 +8,12 @@
 # velocities), the sampling policy soft-updated (eta = min(0.001 step, 0.5)), an EMA of the LoRA
 # (decay 0.9 every step) for evaluation and export, LoRA r32/alpha64 on the joint attention's
 # image and text projections (`attn.`: not the image-only `attn2` of SD3.5-M's first 13 blocks),
-# lr 3e-4. Evaluation: 40 steps, CFG-free (the paper's with Euler steps, genrl's with the rollouts'
-# solver). Reward: PickScore, as its sd3_pickscore config (the paper also trains HPSv2, OCR and
-# GenEval; swap in HPSv3 or your own with --reward_fn). An epoch draws 48 prompts: point PROMPTS
-# at a real prompt set (the paper's PickScore split has about 25k); the shipped 16-prompt sample
-# repeats each prompt three times an epoch, and the trainer says so.
+# lr 3e-4, prompts in 128 T5 tokens. Evaluation: 40 steps, CFG-free (the paper's with Euler
+# steps, genrl's with the rollouts' solver). Reward: PickScore, as its sd3_pickscore config (the
+# paper also trains HPSv2, OCR and GenEval; swap in HPSv3 or your own with --reward_fn). An epoch
+# draws 48 prompts: point PROMPTS at a real prompt set (the paper's PickScore split has about
+# 25k); the shipped 16-prompt sample repeats each prompt three times an epoch, and the trainer
+# says so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "${NUM_GPUS:-8}" train_genrl.py \
@@ -21,7 +22,7 @@ accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "$
   --reward_fn "pickscore:1.0" --reward_mode async --reward_device cuda \
   --objective nft --nft_beta 1.0 --beta 1e-4 --adv_clip_max 5 --std_mode global \
   --sampling_policy_decay_rate 0.001 --sampling_policy_decay_max 0.5 \
-  --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 \
+  --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 --max_sequence_length 128 \
   --guidance_scale 1.0 --noise_level 0 --no-same_latent --ode_solver ab2 \
   --group_size 24 --rollout_batch_size 9 --rollout_batches_per_epoch 16 \
   --train_batch_size 9 --gradient_accumulation_steps 16 --timestep_fraction 0.9 \

@@ -8,7 +8,7 @@
 # convention (--kl_form sde_variance: divided by 2 std_t^2, not by the transition variance), an
 # EMA (decay 0.9 every 8 steps) for evaluation and export, LoRA r32/alpha64 on the joint attention's image and text
 # projections (`attn.`: not the image-only `attn2` of SD3.5-M's first 13 blocks), AdamW lr 3e-4,
-# weight decay 1e-4, grad norm 1; evaluation with 40 steps. Where genrl differs: Flow-GRPO's last
+# weight decay 1e-4, grad norm 1; prompts in 128 T5 tokens; evaluation with 40 steps. Where genrl differs: Flow-GRPO's last
 # sampling step is stochastic too and it trains 0.99 of those 10 (9); genrl's last step lands on
 # sigma 0 without noise, so all 9 of its stochastic steps are trained (--timestep_fraction 1).
 # Reward: PickScore, as pickscore_sd3 (swap in HPSv3 or your own with --reward_fn).
@@ -18,7 +18,7 @@ accelerate launch --config_file accelerate_configs/zero2.yaml --num_processes "$
   --pretrained_model_name_or_path stabilityai/stable-diffusion-3.5-medium \
   --prompt_dataset "${PROMPTS:-genrl/assets/prompts/image_prompts.txt}" \
   --reward_fn "pickscore:1.0" --reward_mode async --reward_device cuda \
-  --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 \
+  --resolution 512 --num_inference_steps 10 --eval_num_inference_steps 40 --max_sequence_length 128 \
   --guidance_scale 4.5 --noise_level 0.7 --no-same_latent \
   --group_size 24 --rollout_batch_size 9 --rollout_batches_per_epoch 16 \
   --train_batch_size 9 --gradient_accumulation_steps 8 --timestep_fraction 1.0 \

@@ -54,6 +54,7 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
 
 
 @pytest.mark.parametrize("extra, expected", [
+    (["--max_sequence_length", "0"], "--max_sequence_length must be at least 1 token; got 0."),
     (["--noise_level", "nan"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
     (["--noise_level", "nan", "--objective", "nft"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
     (["--noise_level", "-0.5", "--objective", "awm"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got -0.5."),

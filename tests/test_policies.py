@@ -99,6 +99,25 @@ def test_a_loaded_two_expert_wan_pipeline_is_refused():
         policy_for_pipeline(pipeline)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_max_sequence_length_sets_the_t5_tokens_and_the_model_runs_on_them(family, tiny_dirs):
+    """SD3's prompt embeddings are its CLIP tokens (16 here) followed by the T5 ones; FLUX's and
+    Wan's are the T5/UMT5 tokens. Default: the pipeline's (256 / 512), capped by the tiny
+    tokenizers' 16; a value above the tokenizer's is capped too."""
+    clip_tokens = 16 if family == "sd3" else 0
+    for asked, tokens in ((None, 16), (5, 5), (100, 16)):
+        policy = load_policy(tiny_dirs[family], max_sequence_length=asked).to("cpu")
+        assert policy.max_sequence_length == tokens
+        embeds = policy.encode_prompts(["a red circle", "a cat"], "cpu", guidance_scale=3.0)
+        assert embeds["prompt_embeds"].shape[1] == clip_tokens + tokens
+        latents = policy.prepare_latents(_generators(2), *TINY_SAMPLING_DEFAULTS[family].values(), "cpu")
+        with torch.no_grad():
+            v = policy.predict_velocity(policy.transformer, latents, torch.tensor([500.0, 500.0]), embeds, 3.0)
+        assert v.shape == latents.shape and torch.isfinite(v).all()
+    with pytest.raises(ValueError, match="at least 1"):
+        load_policy(tiny_dirs[family], max_sequence_length=0)
+
+
 def test_to_moves_and_freezes_only_the_frozen_parts(tiny_dirs):
     policy = load_policy(tiny_dirs["flux"])
     policy.to("cpu", torch.bfloat16)

@@ -83,14 +83,14 @@ def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_p
 def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps, timesteps, ema_interval):
     """The epoch each recipe's header claims, at its default 8 processes: prompt groups, optimizer
     steps, trained timesteps per sample, independent initial noise, global advantage std, the
-    EMA's decay and interval, and PickScore as the reward."""
+    EMA's decay and interval, PickScore as the reward and 128 T5 tokens."""
     args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
     per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
     assert (args.group_size, 8 * per_gpu // args.group_size) == (24, groups)
     assert per_gpu // (args.train_batch_size * args.gradient_accumulation_steps) == steps
     assert train_args.num_trained_timesteps(args) == timesteps
     assert args.std_mode == "global" and args.use_ema and (args.ema_decay, args.ema_update_interval) == (0.9, ema_interval)
-    assert not args.same_latent and args.reward_fn == "pickscore:1.0"
+    assert not args.same_latent and args.reward_fn == "pickscore:1.0" and args.max_sequence_length == 128
 
 
 # The recipe's training flags on the tiny model, CPU-sized: what is overridden is only what needs a

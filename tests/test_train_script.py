@@ -192,7 +192,8 @@ def test_empty_prompt_file_is_refused_before_any_model_loads(tiny_sd3, tmp_path,
      ["--num_frames", "5", "--sde_window_shift_every", "1", "--eval_prompt_dataset", "PROMPTS", "--eval_steps", "1", "--eval_max_batches", "1",
       "--eval_log_samples", "2"]),
     ("flux", "jpeg_compressibility",
-     ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard", "--grpo_guard_reweight"]),
+     ["--use_lora", "--rank", "4", "--guidance_scale", "3.5", "--grpo_guard", "--grpo_guard_reweight",
+      "--max_sequence_length", "6"]),
     # Wan 2.2 TI2V-5B's layout (16x patchifying VAE, a timestep per token), LoRA as users train the 5B.
     ("wan2.2", "temporal_smoothness", ["--num_frames", "5", "--use_lora", "--rank", "4"]),
 ])
@@ -218,6 +219,12 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
     assert config["reward_models"] == {}  # rule-based rewards: no model, no template to trace
     exported = "pytorch_lora_weights.safetensors" if "--use_lora" in extra else "transformer"
     assert os.path.exists(os.path.join(out, exported))
+    if "--max_sequence_length" in extra:  # the export samples with the T5 tokens it trained with
+        import eval_genrl
+        from genrl.checkpointing import load_trained_policy
+
+        assert load_trained_policy(out).max_sequence_length == 6
+        assert eval_genrl.trained_settings(out)["max_sequence_length"] == 6
     if layout == "wan":  # evaluation of a video model writes playable clips beside the grid
         from genrl.rewards.video_io import read_video
 

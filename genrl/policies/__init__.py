@@ -67,13 +67,15 @@ def load_policy(
     variant: str | None = None,
     dtype: torch.dtype = torch.float32,
     zero3_init_config: dict | None = None,
+    max_sequence_length: int | None = None,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
     Text encoders and VAE are loaded in ``dtype``; the transformer always in float32 (the
     trainer casts and prepares it). Components saved as null in model_index.json (e.g. SD3
     without T5) stay None. A ``sampling_defaults.json`` next to model_index.json, when
-    present, sets the default sampling size.
+    present, sets the default sampling size. ``max_sequence_length``: T5/UMT5 tokens per prompt
+    (None: the pipeline's default).
 
     ``zero3_init_config`` (a ZeRO-3 DeepSpeed config, with ``zero3_init_flag: true``): the
     transformer is built partitioned across the ranks (``genrl.zero_init``) and no rank holds
@@ -115,4 +117,5 @@ def load_policy(
         raise ValueError(
             f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames."
         )
-    return POLICIES[class_name](pipeline, **{f"default_{k}": int(v) for k, v in sizes.items()})
+    return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length,
+                                **{f"default_{k}": int(v) for k, v in sizes.items()})

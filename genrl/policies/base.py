@@ -79,6 +79,7 @@ class FlowPolicy:
         scheduler: the ``FlowMatchEulerDiscreteScheduler`` sampling uses.
         is_video: whether samples have more than one frame.
         default_height, default_width, default_num_frames: sampling size when none is given.
+        text_tokens: the ``max_sequence_length`` asked for (None: the pipeline's default).
     """
 
     family: str = ""
@@ -92,6 +93,7 @@ class FlowPolicy:
         default_height: int | None = None,
         default_width: int | None = None,
         default_num_frames: int | None = None,
+        max_sequence_length: int | None = None,
     ):
         if getattr(pipeline, "transformer", None) is None:
             raise ValueError(f"{type(pipeline).__name__} has no transformer; genrl trains the pipeline's transformer.")
@@ -102,8 +104,26 @@ class FlowPolicy:
         self.default_height = default_height or height
         self.default_width = default_width or width
         self.default_num_frames = default_num_frames or num_frames
+        if max_sequence_length is not None and max_sequence_length < 1:
+            raise ValueError(f"max_sequence_length must be at least 1; got {max_sequence_length}.")
+        self.text_tokens = max_sequence_length
+
+    # The T5/UMT5 tokens per prompt the family's pipeline encodes by default.
+    pipeline_text_tokens: int = 512
+
+    @property
+    def max_sequence_length(self) -> int:
+        """T5/UMT5 tokens per prompt (padded to it): ``max_sequence_length`` when given, else the
+        pipeline's default, at most what the tokenizer takes."""
+        tokenizer = self.text_tokenizer()
+        limit = tokenizer.model_max_length if tokenizer is not None else self.pipeline_text_tokens
+        return min(self.text_tokens or self.pipeline_text_tokens, limit)
 
     # ----- family-specific parts -------------------------------------------------------
+
+    def text_tokenizer(self):
+        """The tokenizer of the encoder ``max_sequence_length`` applies to (T5 or UMT5), or None."""
+        raise NotImplementedError
 
     def pipeline_default_size(self) -> tuple[int, int, int]:
         """(height, width, num_frames) the pipeline itself samples at by default; image

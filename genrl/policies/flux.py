@@ -22,10 +22,10 @@ class FluxPolicy(FlowPolicy):
     is_video = False
     uses_true_cfg = False
 
-    @property
-    def max_sequence_length(self) -> int:
-        # FluxPipeline's 512 T5 tokens; a T5 tokenizer made for fewer caps it.
-        return min(512, self.pipeline.tokenizer_2.model_max_length)
+    pipeline_text_tokens = 512  # FluxPipeline's T5 tokens
+
+    def text_tokenizer(self):
+        return self.pipeline.tokenizer_2
 
     @torch.no_grad()
     def encode_prompts(self, prompts, device, guidance_scale, negative_prompt=""):

@@ -15,11 +15,10 @@ class SD3Policy(FlowPolicy):
     is_video = False
     uses_true_cfg = True
 
-    @property
-    def max_sequence_length(self) -> int:
-        # The pipeline's 256 T5 tokens; a T5 tokenizer made for fewer caps it.
-        tokenizer_3 = getattr(self.pipeline, "tokenizer_3", None)
-        return min(256, tokenizer_3.model_max_length) if tokenizer_3 is not None else 256
+    pipeline_text_tokens = 256  # StableDiffusion3Pipeline's T5 tokens
+
+    def text_tokenizer(self):
+        return getattr(self.pipeline, "tokenizer_3", None)  # None: SD3 without T5
 
     @torch.no_grad()
     def encode_prompts(self, prompts, device, guidance_scale, negative_prompt=""):

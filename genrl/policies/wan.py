@@ -33,10 +33,10 @@ class WanPolicy(FlowPolicy):
     def pipeline_default_size(self) -> tuple[int, int, int]:
         return 480, 832, 81  # WanPipeline.__call__ defaults
 
-    @property
-    def max_sequence_length(self) -> int:
-        # WanPipeline.__call__ uses 512 tokens; a tokenizer made for fewer caps it.
-        return min(512, self.pipeline.tokenizer.model_max_length)
+    pipeline_text_tokens = 512  # WanPipeline.__call__'s
+
+    def text_tokenizer(self):
+        return self.pipeline.tokenizer
 
     @torch.no_grad()
     def encode_prompts(self, prompts, device, guidance_scale, negative_prompt=""):
