@@ -29,7 +29,8 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     """``(model folder, processor folder)``: a random tiny CLIP, and a tokenizer with a
-    preprocessor_config.json in the old feature-extractor form laion's CLIP-ViT-H-14 repo has."""
+    preprocessor_config.json in the old feature-extractor form that CLIP repos of that era on the
+    Hub carry (integer sizes, ``feature_extractor_type``)."""
     root = tmp_path_factory.mktemp("pickscore")
     text = dict(vocab_size=len(VOCAB), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                 num_attention_heads=2, max_position_embeddings=MAX_TOKENS, pad_token_id=0, eos_token_id=1, bos_token_id=3)
