@@ -85,6 +85,7 @@ class FlowPolicy:
     family: str = ""
     is_video: bool = False
     uses_true_cfg: bool = True  # CFG as two forwards (cond, uncond); else guidance is an input
+    pipeline_text_tokens: int = 512  # T5/UMT5 tokens per prompt the family's pipeline encodes by default
 
     def __init__(
         self,
@@ -107,9 +108,6 @@ class FlowPolicy:
         if max_sequence_length is not None and max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be at least 1; got {max_sequence_length}.")
         self.text_tokens = max_sequence_length
-
-    # The T5/UMT5 tokens per prompt the family's pipeline encodes by default.
-    pipeline_text_tokens: int = 512
 
     @property
     def max_sequence_length(self) -> int:
