@@ -33,7 +33,8 @@ silence_known_noise()  # before the libraries below load: some warn on import
 from diffusers.optimization import get_scheduler
 from genrl.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.checkpointing import (
-    checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint, trim_metrics,
+    checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint,
+    set_aside_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
@@ -46,10 +47,12 @@ from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
-from genrl.nan_guard import NonFiniteError, NonFiniteGuard
+from genrl.nan_guard import NonFiniteError, NonFiniteGuard, NonFiniteSamples, samples_stop_message
+from genrl.node_storage import output_dir_is_node_local, use_node_local_checkpoints
 from genrl.objectives import check_sigma_range_holds, reference_model
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
+from genrl.preemption import Preempted, PreemptionWatch, capture_rng_states, preempted_message, restore_rng_states
 from genrl.redact import redact_argv
 from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
@@ -92,7 +95,16 @@ def main(args):
         f"(distributed type {accelerator.distributed_type.value}, mixed precision {accelerator.mixed_precision})",
         main_process_only=False,
     )
-    if accelerator.is_main_process:
+    # Nodes that do not share --output_dir (local disks) each complete their own checkpoints.
+    try:
+        node_local = output_dir_is_node_local(accelerator, args.output_dir)
+    except SetupError as e:
+        raise SystemExit(f"train_genrl.py: error: {e}")
+    use_node_local_checkpoints(accelerator, node_local)
+    if node_local:
+        logger.info("The nodes do not share --output_dir: each node writes and completes its own checkpoints; "
+                    "the export, samples and logs are written on the main node.", main_process_only=True)
+    if accelerator.is_local_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -112,7 +124,7 @@ def main(args):
     identity = run_identity(args)
     try:
         resume_path = prepare_output_dir(accelerator, args.output_dir, identity, resume_from_checkpoint=args.resume_from_checkpoint,
-                                         overwrite=args.overwrite_output_dir)
+                                         overwrite=args.overwrite_output_dir, node_local=node_local)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(f"train_genrl.py: error: {e}")
     sampler = PromptGroupSampler(
@@ -222,7 +234,7 @@ def main(args):
     run_config = run_record(args, policy.family, sys.argv, reward_models=describe_reward_models())
 
     # ---- Resume, trackers, logs ------------------------------------------------------------------
-    global_step, first_epoch = 0, 0
+    global_step, first_epoch, saved_step = 0, 0, None
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
         try:
@@ -230,7 +242,7 @@ def main(args):
                                                       sampling_policy=sampling_policy)
         except ValueError as e:  # an unsafe or unreadable file, the wrong number of processes
             raise SystemExit(f"train_genrl.py: error: {e}")
-        first_epoch = last_epoch + 1
+        first_epoch, saved_step = last_epoch + 1, global_step
     elif args.resume_from_checkpoint:
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
     metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
@@ -272,6 +284,10 @@ def main(args):
     watch_evaluation(accelerator, watch, last_eval, step=global_step)
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
+    save = partial(save_and_push_checkpoint, accelerator, model, policy, ema, args, run_config=run_config, identity=identity,
+                   pushes=checkpoint_pushes, sampling_policy=sampling_policy, node_local=node_local)
+    # SIGTERM / SIGUSR1 / SIGINT from here on: the ranks agree at the next safe point, save, and exit.
+    preemption = PreemptionWatch().install()
 
     # ---- Training: the phases of "What one epoch does" (README) ------------------------------------
     for epoch in range(first_epoch, args.num_epochs):
@@ -279,6 +295,7 @@ def main(args):
             break
         step_at_epoch_start = global_step
         epoch_start = time.perf_counter()
+        rng_at_epoch_start = capture_rng_states()  # what a checkpoint taken during the rollouts records
         tally.take()  # the forwards since the last epoch (evaluation) are not this epoch's
 
         # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
@@ -286,12 +303,26 @@ def main(args):
         if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
             with zero_init_disabled():
                 reward_fn = build_rewards()
-        with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
-            scored = collect_rollouts(
-                policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
-                config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
-                reward_workers=args.reward_workers,
-            )
+        try:
+            with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+                scored = collect_rollouts(
+                    policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
+                    config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
+                    reward_workers=args.reward_workers, stop=partial(preemption.agreed, accelerator),
+                )
+        except Preempted:  # the weights are the last finished epoch's: so is the checkpoint
+            restore_rng_states(rng_at_epoch_start)
+            progress.close()
+            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step)
+        except NonFiniteSamples as error:  # these weights diverged: a checkpoint of them must not be resumed
+            aside = set_aside_checkpoint(accelerator, args.output_dir, global_step, node_local=node_local) \
+                if global_step == saved_step else None
+            kept = checkpoint_dirs(args.output_dir)
+            raise NonFiniteError(samples_stop_message(
+                error.epoch, error.step, args.learning_rate, set_aside=aside, last_good=os.path.basename(kept[-1]) if kept else None,
+                resumed_from=resume_path if resume_path is not None and global_step == saved_step == step_at_epoch_start
+                and epoch == first_epoch else None,
+            )) from None
         rollout_flops = tally.take()
         if args.reward_clear_before_train:
             reward_fn = None
@@ -331,6 +362,10 @@ def main(args):
             ),
         }
         log_metrics(accelerator, metrics_path, epoch_logs, step=global_step, epoch=epoch)
+        if preemption.agreed(accelerator):  # after the update, before evaluation: the grace time is short
+            progress.close()
+            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch,
+                           saved_step=None if guard.consecutive else saved_step, nonfinite=bool(guard.consecutive))
         done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = evaluate_now(step=global_step, epoch=epoch)
@@ -346,9 +381,8 @@ def main(args):
         if crossed(args.checkpointing_steps, step_at_epoch_start, global_step) and guard.consecutive:
             logger.warning(f"Not saving checkpoint-{global_step}: its last optimizer step was non-finite.")
         elif crossed(args.checkpointing_steps, step_at_epoch_start, global_step):
-            save_and_push_checkpoint(accelerator, model, policy, ema, args, global_step=global_step, epoch=epoch,
-                                     run_config=run_config, identity=identity, pushes=checkpoint_pushes,
-                                     sampling_policy=sampling_policy)
+            save(global_step=global_step, epoch=epoch)
+            saved_step = global_step
         if update.reached_max_steps:
             break
     progress.close()
@@ -367,19 +401,37 @@ def main(args):
 
 
 def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_step: int, epoch: int, run_config: dict,
-                             identity: dict, pushes: list, sampling_policy=None) -> None:
+                             identity: dict, pushes: list, sampling_policy=None, node_local: bool = False) -> str:
     """``checkpoint-<global_step>`` after ``epoch`` (every rank), then (main process, with
-    --push_checkpoints) its upload in the background, its future appended to ``pushes``."""
+    --push_checkpoints) its upload in the background, its future appended to ``pushes``. Returns its path."""
     for push in pushes:  # pruning must not delete a checkpoint still uploading
         push.exception()
     path = save_checkpoint(
         accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
         use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
-        sampling_policy=sampling_policy,
+        sampling_policy=sampling_policy, node_local=node_local,
     )
     logger.info(f"Saved {path}")
     if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
         pushes.append(push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private))
+    return path
+
+
+def stop_preempted(accelerator, preemption: PreemptionWatch, save, *, global_step: int, epoch: int, saved_step: int | None,
+                   nonfinite: bool = False) -> None:
+    """Every rank, once they agreed on a stop signal at a safe point: ``save`` the weights of
+    ``global_step`` (after ``epoch``) unless ``checkpoint-<saved_step>`` already holds them, there
+    are none to keep, or (``nonfinite``) their last step was skipped as non-finite; print one
+    sentence; end with the pre-emption exit status (128 + the signal's number)."""
+    checkpoint = None
+    if global_step == saved_step:
+        checkpoint = f"checkpoint-{global_step}"
+    elif global_step > 0 and not nonfinite:
+        checkpoint = os.path.basename(save(global_step=global_step, epoch=epoch))
+    if accelerator.is_main_process:
+        print(f"train_genrl.py: {preempted_message(global_step, checkpoint, preemption.signum)}", file=sys.stderr, flush=True)
+    end_processes(accelerator, exit_code=preemption.exit_code)
+    raise SystemExit(preemption.exit_code)  # one process: no process group to end
 
 
 def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict, is_video: bool,

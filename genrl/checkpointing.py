@@ -25,7 +25,6 @@ import errno
 import json
 import logging
 import os
-import re
 import shlex
 import shutil
 from typing import Any
@@ -35,16 +34,19 @@ import torch
 from genrl.distributed import settle_zero3_params
 from genrl.ema import EMA
 from genrl.errors import SetupError
+from genrl.node_storage import STATE_FILE, agree_on_resume, checkpoint_step, checkpoint_writer
 from genrl.policies import FlowPolicy, load_policy
 from genrl.redact import redact_args
 from genrl.safe_load import load_weights_only, verify_checkpoint
 
 CONFIG_FILE = "genrl_config.json"
-STATE_FILE = "genrl_state.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 LORA_EMA_FILE = "pytorch_lora_weights_ema.safetensors"
 SAMPLING_POLICY_DIR = "sampling_policy"
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+EMA_DIR = "ema"
+# A checkpoint whose weights then gave non-finite samples is renamed with this suffix: ``latest``
+# skips it, and it stays for inspection.
+NONFINITE_SUFFIX = ".nonfinite"
 logger = logging.getLogger(__name__)
 
 
@@ -52,24 +54,8 @@ def checkpoint_dirs(output_dir: str) -> list[str]:
     """Complete ``checkpoint-<step>`` folders in ``output_dir``, oldest first."""
     if not os.path.isdir(output_dir):
         return []
-    found = [(int(m.group(1)), d) for d in os.listdir(output_dir) if (m := _CHECKPOINT_RE.match(d))]
+    found = [(step, d) for d in os.listdir(output_dir) if (step := checkpoint_step(d)) is not None]
     return [os.path.join(output_dir, d) for _, d in sorted(found)]
-
-
-def resolve_resume_path(output_dir: str, resume_from_checkpoint: str | None) -> str | None:
-    """``latest`` -> the newest checkpoint in ``output_dir`` (None if there is none yet);
-    a path -> that path, which must exist."""
-    if not resume_from_checkpoint:
-        return None
-    if resume_from_checkpoint == "latest":
-        found = checkpoint_dirs(output_dir)
-        return found[-1] if found else None
-    if not os.path.isfile(os.path.join(resume_from_checkpoint, STATE_FILE)):
-        raise FileNotFoundError(
-            f"--resume_from_checkpoint {resume_from_checkpoint!r} is not a genrl checkpoint folder "
-            f"(no {STATE_FILE}); pass 'latest' or a checkpoint-<step> folder."
-        )
-    return resume_from_checkpoint
 
 
 # The arguments that decide a run's trajectory (model, data, seed, group and batch layout,
@@ -156,31 +142,98 @@ def check_resumable(path: str, identity: dict[str, Any]) -> None:
 
 
 def prepare_output_dir(
-    accelerator, output_dir: str, identity: dict[str, Any], *, resume_from_checkpoint: str | None, overwrite: bool
+    accelerator, output_dir: str, identity: dict[str, Any], *, resume_from_checkpoint: str | None, overwrite: bool,
+    node_local: bool = False,
 ) -> str | None:
     """Before any model loads: empty ``output_dir`` of its checkpoints when ``overwrite``
-    (``--overwrite_output_dir``), then return the checkpoint to resume (None: a new run) after
-    refusing, with one sentence (ValueError, FileNotFoundError), an ``output_dir`` that holds
-    another run's checkpoints (or this run's, when not resuming), a checkpoint of another run,
-    and one with a file that could run code or cannot be read."""
-    if overwrite and accelerator.is_main_process:
+    (``--overwrite_output_dir``), then return the checkpoint every rank resumes
+    (:func:`genrl.node_storage.agree_on_resume`; None: a new run) after refusing, with one
+    sentence (ValueError, FileNotFoundError), an ``output_dir`` that holds another run's
+    checkpoints (or this run's, when not resuming), a checkpoint of another run or written under
+    another distributed set-up, and one with a file that could run code or cannot be read.
+    ``node_local``: each node has its own ``output_dir`` (its local main process clears it)."""
+    if overwrite and checkpoint_writer(accelerator, node_local):
         clear_output_dir(output_dir)
     accelerator.wait_for_everyone()
-    resume_path = resolve_resume_path(output_dir, resume_from_checkpoint)
+    resume_path = None
+    if resume_from_checkpoint:
+        latest = resume_from_checkpoint == "latest"
+        candidates = checkpoint_dirs(output_dir) if latest else [resume_from_checkpoint]
+        per_rank = {path: per_rank_dirs(path) for path in candidates if os.path.isfile(os.path.join(path, STATE_FILE))}
+        resume_path = agree_on_resume(accelerator, candidates, per_rank, latest=latest, output_dir=output_dir)
     check_output_dir(output_dir, identity, resuming=resume_path is not None)
     if resume_path is not None:
         check_resumable(resume_path, identity)
+        check_checkpoint_layout(resume_path, accelerator)
         verify_checkpoint(resume_path, accelerator.process_index)
     return resume_path
 
 
+def per_rank_dirs(path: str) -> list[str]:
+    """genrl's per-rank state folders of checkpoint ``path`` (EMA, sampling policy): those its
+    state file records, or (an older checkpoint) those present."""
+    recorded = read_state(path).get("per_rank_dirs")
+    if isinstance(recorded, list):
+        return recorded
+    return [d for d in (EMA_DIR, SAMPLING_POLICY_DIR) if os.path.isdir(os.path.join(path, d))]
+
+
+def checkpoint_format(accelerator) -> str:
+    """How this run's distributed set-up writes the model and optimizer states of a checkpoint:
+    "deepspeed_zero<stage>" under DeepSpeed, else "torch" (one process or DDP)."""
+    plugin = accelerator.state.deepspeed_plugin
+    return f"deepspeed_zero{int(plugin.zero_stage)}" if plugin is not None else "torch"
+
+
+def recorded_format(path: str) -> str:
+    """The format (:func:`checkpoint_format`) checkpoint ``path`` was written in: recorded in its
+    state file, or (an older checkpoint) read from its files."""
+    recorded = read_state(path).get("format")
+    if isinstance(recorded, str):
+        return recorded
+    deepspeed_dir = os.path.join(path, "pytorch_model")
+    if not os.path.isdir(deepspeed_dir):
+        return "torch"
+    zero3 = any(n.startswith("zero_pp_rank_") and n.endswith("_model_states.pt") for n in os.listdir(deepspeed_dir))
+    return "deepspeed_zero3" if zero3 else "deepspeed_zero2"
+
+
+# What to name a format in a sentence, and the shipped config that writes it.
+_FORMATS = {
+    "torch": ("one process or DDP, without DeepSpeed", "accelerate_configs/multi_gpu.yaml, or no config for one process"),
+    "deepspeed_zero1": ("DeepSpeed ZeRO-1", "a DeepSpeed config with zero_stage: 1"),
+    "deepspeed_zero2": ("DeepSpeed ZeRO-2", "accelerate_configs/zero2.yaml"),
+    "deepspeed_zero3": ("DeepSpeed ZeRO-3", "accelerate_configs/zero3.yaml or zero3_offload.yaml"),
+}
+
+
+def check_checkpoint_layout(path: str, accelerator) -> None:
+    """Refuse, in one sentence, to resume checkpoint ``path`` with another number of processes, or
+    under a distributed set-up whose model and optimizer states are laid out otherwise (DDP and
+    each ZeRO stage write their own)."""
+    written_by = read_state(path).get("num_processes", accelerator.num_processes)
+    if written_by != accelerator.num_processes:
+        raise ValueError(
+            f"Checkpoint {path!r} was written by {written_by} processes but this run has "
+            f"{accelerator.num_processes}; resume with the same --num_processes."
+        )
+    written, current = recorded_format(path), checkpoint_format(accelerator)
+    if written == current:
+        return
+    (was, config), (now, _) = _FORMATS.get(written, (written, "its config")), _FORMATS.get(current, (current, ""))
+    raise ValueError(
+        f"Cannot resume from {path}: it was written under {was} and this run uses {now}, whose optimizer states are "
+        f"laid out otherwise: resume it with the config it was written with (--config_file {config}), or {FRESH_START}."
+    )
+
+
 def clear_output_dir(output_dir: str) -> None:
-    """``--overwrite_output_dir``: remove the checkpoints (complete or not) a fresh run must not
+    """``--overwrite_output_dir``: remove the checkpoints (complete, incomplete or set aside) a fresh run must not
     resume or mix with. Main process only; the export and samples are overwritten as written."""
     if not os.path.isdir(output_dir):
         return
     for name in os.listdir(output_dir):
-        if _CHECKPOINT_RE.match(name.removesuffix(".tmp")):
+        if checkpoint_step(name.removesuffix(".tmp").removesuffix(NONFINITE_SUFFIX)) is not None:
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
 
 
@@ -337,11 +390,14 @@ def save_checkpoint(
     total_limit: int | None = None,
     run: dict[str, Any] | None = None,
     sampling_policy: EMA | None = None,
+    node_local: bool = False,
 ) -> str:
     """Save everything needed to resume after ``epoch`` (and an export for evaluation).
-    Written to ``checkpoint-<step>.tmp`` and renamed when complete; only then are the oldest
-    checkpoints pruned to ``total_limit``. ``run`` (:func:`run_identity`) is recorded in
-    ``genrl_state.json``, so that only the same run resumes it. Returns the path.
+    Written to ``checkpoint-<step>.tmp`` and renamed when every rank's files are in; only then are
+    the oldest checkpoints pruned to ``total_limit``. ``run`` (:func:`run_identity`) is recorded in
+    ``genrl_state.json``, so that only the same run resumes it, with the distributed format and
+    the per-rank folders. ``node_local``: each node completes its own copy
+    (:mod:`genrl.node_storage`). Returns the path.
 
     Raises:
         CheckpointSaveError: writing failed (a full disk is named as such); the ``.tmp`` was
@@ -349,22 +405,24 @@ def save_checkpoint(
     """
     final = os.path.join(output_dir, f"checkpoint-{global_step}")
     tmp = final + ".tmp"
-    if accelerator.is_main_process:
+    writer = checkpoint_writer(accelerator, node_local)
+    if writer:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
+    shadows = [(EMA_DIR, ema), (SAMPLING_POLICY_DIR, sampling_policy)]  # each rank's own state
     try:
         accelerator.save_state(tmp)
-        if ema is not None:
-            os.makedirs(os.path.join(tmp, "ema"), exist_ok=True)
-            torch.save(ema.state_dict(), os.path.join(tmp, "ema", f"rank{accelerator.process_index}.pt"))
-        if sampling_policy is not None:  # the soft-updated sampling weights (--sampling_policy_decay_rate)
-            os.makedirs(os.path.join(tmp, SAMPLING_POLICY_DIR), exist_ok=True)
-            torch.save(sampling_policy.state_dict(),
-                       os.path.join(tmp, SAMPLING_POLICY_DIR, f"rank{accelerator.process_index}.pt"))
+        for folder, shadow in shadows:
+            if shadow is not None:
+                os.makedirs(os.path.join(tmp, folder), exist_ok=True)
+                torch.save(shadow.state_dict(), os.path.join(tmp, folder, f"rank{accelerator.process_index}.pt"))
         export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
-        if accelerator.is_main_process:
+        accelerator.wait_for_everyone()  # every rank's files are in before the folder is complete
+        if writer:
+            state = {"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes,
+                     "format": checkpoint_format(accelerator),
+                     "per_rank_dirs": [folder for folder, shadow in shadows if shadow is not None]}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                state = {"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes}
                 json.dump({**state, "run": run} if run is not None else state, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
@@ -374,10 +432,24 @@ def save_checkpoint(
         if isinstance(err, OSError) or disk_full:
             raise CheckpointSaveError(_save_failed_message(err, tmp, output_dir, disk_full)) from err
         raise
-    if accelerator.is_main_process:
+    if writer:
         prune_checkpoints(output_dir, total_limit, keep=final)
     accelerator.wait_for_everyone()
     return final
+
+
+def set_aside_checkpoint(accelerator, output_dir: str, step: int, *, node_local: bool = False) -> str | None:
+    """Rename ``checkpoint-<step>`` to ``checkpoint-<step>.nonfinite`` (collective): its weights
+    went on to give non-finite samples, so ``--resume_from_checkpoint latest`` must not pick it.
+    Returns the new name, None when there was no such checkpoint."""
+    final = os.path.join(output_dir, f"checkpoint-{step}")
+    found = os.path.isdir(final)
+    accelerator.wait_for_everyone()  # every rank has looked before the writer renames it
+    if found and checkpoint_writer(accelerator, node_local):
+        shutil.rmtree(final + NONFINITE_SUFFIX, ignore_errors=True)
+        os.replace(final, final + NONFINITE_SUFFIX)
+    accelerator.wait_for_everyone()
+    return os.path.basename(final + NONFINITE_SUFFIX) if found else None
 
 
 def read_state(path: str) -> dict:
@@ -408,16 +480,12 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
     state = read_state(path)
     if run is not None:
         check_resumable(path, run)
-    if state.get("num_processes", accelerator.num_processes) != accelerator.num_processes:
-        raise ValueError(
-            f"Checkpoint {path!r} was written by {state['num_processes']} processes but this run has "
-            f"{accelerator.num_processes}; resume with the same --num_processes."
-        )
+    check_checkpoint_layout(path, accelerator)
     for warning in verify_checkpoint(path, accelerator.process_index):
         logger.warning(warning)
     accelerator.load_state(path)
     if ema is not None:
-        ema_path = os.path.join(path, "ema", f"rank{accelerator.process_index}.pt")
+        ema_path = os.path.join(path, EMA_DIR, f"rank{accelerator.process_index}.pt")
         if not os.path.exists(ema_path):
             raise FileNotFoundError(f"Checkpoint {path!r} has no EMA state ({ema_path}) but --use_ema is set.")
         ema.load_state_dict(load_weights_only(ema_path))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -22,6 +22,7 @@ from genrl.advantages import (
 from genrl.data import PromptSet
 from genrl.nan_guard import NonFiniteGuard
 from genrl.policies.base import FlowPolicy
+from genrl.preemption import Preempted
 from genrl.rewards import RewardFn, RewardScorer, cached_reward_models, on_device
 from genrl.rollout import Rollout, SamplingConfig, concat_rollouts, sample_rollout
 
@@ -56,16 +57,23 @@ def collect_rollouts(
     global_step: int,
     reward_mode: str,
     reward_workers: int,
+    stop: Callable[[], bool] | None = None,
 ) -> ScoredRollouts:
     """Phases 1-4: sample every batch of ``(prompt index, index in its group)`` pairs, stop on
     non-finite samples before any reward sees them, and score them: ``reward_mode`` "async"
     scores batch i in ``reward_workers`` threads while batch i + 1 denoises; "sync" scores all
-    of them at the end, with the cached reward models moved onto the training device."""
+    of them at the end, with the cached reward models moved onto the training device.
+
+    ``stop`` (every rank calls it before each batch, so it may be a collective): when it returns
+    True the epoch's samples are dropped and :class:`~genrl.preemption.Preempted` is raised."""
     device = accelerator.device
     t0 = time.perf_counter()
     scorer = RewardScorer(reward_fn, mode=reward_mode, max_workers=reward_workers)
     rollouts = []
     for batch in batches:
+        if stop is not None and stop():
+            scorer.close()  # batches still queued are cancelled, the one being scored finishes
+            raise Preempted(f"stopped in the rollouts of epoch {epoch}")
         prompts = [prompt_set.prompts[i] for i, _ in batch]
         metadata = [prompt_set.metadata[i] for i, _ in batch]
         rollout = sample_rollout(policy, model, prompts, [k for _, k in batch], seed=seed, epoch=epoch, config=config, device=device)

@@ -92,8 +92,30 @@ class NonFiniteGuard:
         no longer give finite outputs, and no reward should score them."""
         if all_ranks(accelerator, is_finite(samples)):
             return
-        raise NonFiniteError(
-            f"Stopped in epoch {epoch} after step {step}: the policy's samples are NaN or infinite, so the weights "
-            f"diverged, most likely because --learning_rate {self.learning_rate:g} is too high; "
-            "nothing from these weights was saved."
-        )
+        raise NonFiniteSamples(samples_stop_message(epoch, step, self.learning_rate), epoch=epoch, step=step)
+
+
+class NonFiniteSamples(NonFiniteError):
+    """The policy's samples in ``epoch``, from the weights after optimizer step ``step``, were NaN or infinite."""
+
+    def __init__(self, message: str, *, epoch: int, step: int):
+        super().__init__(message)
+        self.epoch, self.step = epoch, step
+
+
+def samples_stop_message(epoch: int, step: int, learning_rate: float, *, set_aside: str | None = None,
+                         resumed_from: str | None = None, last_good: str | None = None) -> str:
+    """One sentence for weights that gave non-finite samples. ``resumed_from``: they are the
+    weights of that checkpoint, untrained since (a checkpoint of diverged weights, not this run's
+    learning rate); ``set_aside``: the checkpoint of these weights was renamed so that ``latest``
+    skips it; ``last_good``: the newest checkpoint left."""
+    kept = f"; the last good checkpoint is {last_good}" if last_good else ""
+    if resumed_from is not None:
+        aside = f" (set aside as {set_aside})" if set_aside else ""
+        return (f"Stopped in epoch {epoch}: the weights resumed from {resumed_from} give NaN or infinite samples before any "
+                f"training step, so that checkpoint holds diverged weights{aside}{kept}: resume from an earlier checkpoint "
+                "or start afresh.")
+    saved = (f"{set_aside.removesuffix('.nonfinite')}, written from these weights, was set aside as {set_aside} so that "
+             f"--resume_from_checkpoint latest skips it{kept}") if set_aside else f"nothing from these weights was saved{kept}"
+    return (f"Stopped in epoch {epoch} after step {step}: the policy's samples are NaN or infinite, so the weights diverged, "
+            f"most likely because --learning_rate {learning_rate:g} is too high; {saved}.")

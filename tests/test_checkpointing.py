@@ -12,15 +12,16 @@ from collections import namedtuple
 import pytest
 
 import genrl.checkpointing as checkpointing
-from genrl.checkpointing import CheckpointSaveError, checkpoint_dirs, resolve_resume_path, save_checkpoint
+from genrl.checkpointing import CheckpointSaveError, checkpoint_dirs, save_checkpoint
 
 
 class FakeAccelerator:
     """One process; ``save_state`` writes one file, or calls ``on_save(path)`` first."""
 
-    is_main_process = True
+    is_main_process = is_local_main_process = True
     process_index = 0
     num_processes = 1
+    state = namedtuple("state", "deepspeed_plugin")(None)
 
     def __init__(self, on_save=None):
         self.on_save = on_save
@@ -74,7 +75,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint_removes_the_tmp_and_says_so(t
         save(tmp_path, 2, FakeAccelerator(on_save=full_disk))
     assert names(tmp_path) == ["checkpoint-1"], "the last good checkpoint must survive a failed save"
     assert sorted(os.listdir(tmp_path / "checkpoint-1")) == ["genrl_config.json", "genrl_state.json", "model.safetensors"]
-    assert resolve_resume_path(str(tmp_path), "latest") == str(tmp_path / "checkpoint-1")
+    assert checkpoint_dirs(str(tmp_path)) == [str(tmp_path / "checkpoint-1")]
     message = str(failure.value)
     assert "\n" not in message and message.count(". ") == 0 and message.endswith(".")
     assert f"the disk holding {tmp_path} is full" in message and "No space left on device" in message

@@ -253,3 +253,40 @@ def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
     # Trained samples are the informative ones rounded up to whole micro batches on every rank.
     informative = [l["train/informative_fraction"] for l in lines]
     assert all(0 < i <= k for i, k in zip(informative, kept)), (informative, kept)
+
+
+def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bit_identical(runs, tiny_sd3, prompt_file,
+                                                                                            tmp_path):
+    """Kubernetes signals the container's first process (here `accelerate launch`, whose torchrun
+    forwards SIGTERM to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT before SIGKILL)."""
+    output_dir = str(tmp_path / "preempted")
+    args = train_args(tiny_sd3, prompt_file, output_dir, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "100")
+    proc = subprocess.Popen(
+        launch_command("train_genrl.py", args, config="zero2", num_processes=2),
+        env={**script_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )
+    metrics = os.path.join(output_dir, "logs", "metrics.jsonl")
+    try:
+        deadline = time.time() + 300
+        while not (os.path.exists(metrics) and '"train/lr"' in open(metrics).read()):  # epoch 0 is done
+            assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first epoch"
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # the launcher alone
+        _, stderr = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 143, stderr[-3000:]
+    stopped = [line for line in stderr.splitlines() if "train_genrl.py: Pre-empted by SIGTERM at step" in line]
+    assert len(stopped) == 1, stderr[-3000:]  # one sentence, from the main process
+    step = int(re.search(r"at step (\d+): saved checkpoint-\1; continue with --resume_from_checkpoint latest\.$",
+                         stopped[0]).group(1))
+    assert sorted(n for n in os.listdir(output_dir) if n.startswith("checkpoint")) == [f"checkpoint-{step}"]
+    assert not os.path.exists(os.path.join(output_dir, "transformer")), "a pre-empted run exported"
+
+    run_script("train_genrl.py", args, config="zero2", num_processes=2)
+    for folder in ("transformer", "transformer_ema"):
+        resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero2"], folder)
+        assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), f"{folder} differs"
