@@ -315,13 +315,14 @@ def main(args):
             progress.close()
             stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step)
         except NonFiniteSamples as error:  # these weights diverged: a checkpoint of them must not be resumed
-            aside = set_aside_checkpoint(accelerator, args.output_dir, global_step, node_local=node_local) \
-                if global_step == saved_step else None
+            # The last checkpoint holds these weights when every optimizer step since it was skipped.
+            holds_them = saved_step is not None and global_step - saved_step <= guard.consecutive
+            aside = set_aside_checkpoint(accelerator, args.output_dir, saved_step, node_local=node_local) if holds_them else None
             kept = checkpoint_dirs(args.output_dir)
+            untrained = resume_path is not None and global_step == saved_step and epoch == first_epoch
             raise NonFiniteError(samples_stop_message(
                 error.epoch, error.step, args.learning_rate, set_aside=aside, last_good=os.path.basename(kept[-1]) if kept else None,
-                resumed_from=resume_path if resume_path is not None and global_step == saved_step == step_at_epoch_start
-                and epoch == first_epoch else None,
+                resumed_from=resume_path if untrained else None,
             )) from None
         rollout_flops = tally.take()
         if args.reward_clear_before_train:

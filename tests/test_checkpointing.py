@@ -128,3 +128,16 @@ def test_the_limit_counts_the_new_checkpoint_and_never_removes_it(tmp_path):
     # A checkpoint saved below a later one in the folder (a resume from an older step) survives.
     save(tmp_path, 4, total_limit=1)
     assert names(tmp_path) == ["checkpoint-4"]
+
+
+@pytest.mark.parametrize("files, expected", [
+    ([], "torch"),
+    (["pytorch_model/mp_rank_00_model_states.pt"], "deepspeed_zero2"),
+    (["pytorch_model/zero_pp_rank_0_mp_rank_00_model_states.pt"], "deepspeed_zero3"),
+])
+def test_a_checkpoint_without_a_recorded_format_is_read_from_its_files(tmp_path, files, expected):
+    (tmp_path / "genrl_state.json").write_text('{"global_step": 1, "epoch": 0}')
+    for name in files:
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text("")
+    assert checkpointing.recorded_format(str(tmp_path)) == expected

@@ -6,6 +6,7 @@ import json
 import logging
 import math
 import os
+import re
 import subprocess
 
 import pytest
@@ -68,7 +69,7 @@ def by_index(samples, prompts, metadata):
 '''
 
 
-def huge_lr_run(model, prompts, output_dir, reward, tmp_path, batches_per_epoch, config=None, num_processes=1):
+def huge_lr_run(model, prompts, output_dir, reward, tmp_path, batches_per_epoch, config=None, num_processes=1, *extra):
     (tmp_path / "blind_reward.py").write_text(BLIND_REWARD)
     env = script_env()
     env["PYTHONPATH"] = str(tmp_path) + os.pathsep + env["PYTHONPATH"]
@@ -76,7 +77,7 @@ def huge_lr_run(model, prompts, output_dir, reward, tmp_path, batches_per_epoch,
         "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", reward,
         "--output_dir", output_dir, "--group_size", "4", "--rollout_batch_size", "4",
         "--rollout_batches_per_epoch", str(batches_per_epoch), "--train_batch_size", "2", "--num_inference_steps", "4",
-        "--num_epochs", "3", "--checkpointing_steps", "1", "--report_to", "none", "--learning_rate", "1e10",
+        "--num_epochs", "3", "--checkpointing_steps", "1", "--report_to", "none", "--learning_rate", "1e10", *extra,
     ]
     proc = subprocess.run(launch_command("train_genrl.py", args, config, num_processes), env=env,
                           capture_output=True, text=True, timeout=300)
@@ -84,9 +85,11 @@ def huge_lr_run(model, prompts, output_dir, reward, tmp_path, batches_per_epoch,
     return proc.stderr
 
 
-def assert_nothing_saved_after_step_1(output_dir):
+def assert_nothing_resumable_saved(output_dir):
+    """No export and no checkpoint that ``latest`` would resume: every checkpoint of diverged weights
+    was set aside; no NaN in the logs."""
     assert not os.path.exists(os.path.join(output_dir, "transformer")), "the diverged weights were exported"
-    assert [d for d in os.listdir(output_dir) if d.startswith("checkpoint-")] in ([], ["checkpoint-1"])
+    assert [d for d in os.listdir(output_dir) if re.fullmatch(r"checkpoint-\d+", d)] == []
     metrics = os.path.join(output_dir, "logs", "metrics.jsonl")
     for line in open(metrics) if os.path.exists(metrics) else []:
         assert all(not (isinstance(v, float) and math.isnan(v)) for v in json.loads(line).values()), line
@@ -101,8 +104,34 @@ def test_a_huge_learning_rate_with_a_builtin_reward_stops_before_the_reward_sees
     errors = script_errors(stderr)
     assert len(errors) == 1, stderr[-3000:]
     assert errors[0].startswith("train_genrl.py: error: Stopped in epoch 1 after step 2: the policy's samples are NaN")
+    assert errors[0].endswith("; nothing from these weights was saved.")
     assert "Float images" not in stderr
-    assert_nothing_saved_after_step_1(out)
+    assert_nothing_resumable_saved(out)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_weights_that_then_give_nan_samples_is_set_aside_and_named_on_resume(tiny_sd3, prompt_file,
+                                                                                              tmp_path):
+    """One step per epoch: step 1 makes the weights huge but finite and checkpoint-1 holds them, then
+    epoch 1's samples are NaN: checkpoint-1 is set aside, so that ``latest`` never resumes it."""
+    out = str(tmp_path / "out")
+    stderr = huge_lr_run(tiny_sd3, prompt_file, out, "jpeg_compressibility", tmp_path, 1, None, 1, "--train_batch_size", "4")
+    assert script_errors(stderr) == [
+        "train_genrl.py: error: Stopped in epoch 1 after step 1: the policy's samples are NaN or infinite, so the weights "
+        "diverged, most likely because --learning_rate 1e+10 is too high; checkpoint-1, written from these weights, was "
+        "set aside as checkpoint-1.nonfinite so that --resume_from_checkpoint latest skips it."
+    ], stderr[-3000:]
+    assert_nothing_resumable_saved(out)
+    aside = os.path.join(out, "checkpoint-1.nonfinite")
+    assert os.path.isfile(os.path.join(aside, "genrl_state.json"))
+
+    # Resumed on purpose with a sane rate, the checkpoint is named, not the new rate.
+    stderr = huge_lr_run(tiny_sd3, prompt_file, out, "jpeg_compressibility", tmp_path, 1, None, 1, "--train_batch_size", "4",
+                         "--learning_rate", "1e-4", "--resume_from_checkpoint", aside)
+    assert script_errors(stderr) == [
+        f"train_genrl.py: error: Stopped in epoch 1: the weights resumed from {aside} give NaN or infinite samples before "
+        "any training step, so that checkpoint holds diverged weights: resume from an earlier checkpoint or start afresh."
+    ], stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -121,4 +150,4 @@ def test_ranks_agree_and_stop_together_under_zero2(tiny_sd3, prompt_file, tmp_pa
         "finite step was saved."
     )}, stderr[-3000:]
     assert "Step 2: non-finite loss; the optimizer step was skipped (1 in a row" in stderr
-    assert_nothing_saved_after_step_1(out)
+    assert_nothing_resumable_saved(out)

@@ -290,3 +290,26 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bi
     for folder in ("transformer", "transformer_ema"):
         resumed, uninterrupted = exported_weights(output_dir, folder), exported_weights(runs["zero2"], folder)
         assert all(torch.equal(resumed[k], uninterrupted[k]) for k in uninterrupted), f"{folder} differs"
+
+
+@pytest.mark.parametrize("written, resumed, was, now, config", [
+    ("zero2", "multi_gpu", "DeepSpeed ZeRO-2", "one process or DDP, without DeepSpeed", "accelerate_configs/zero2.yaml"),
+    ("multi_gpu", "zero2", "one process or DDP, without DeepSpeed", "DeepSpeed ZeRO-2",
+     "accelerate_configs/multi_gpu.yaml, or no config for one process"),
+])
+def test_a_checkpoint_resumed_under_another_distributed_setup_is_one_sentence_before_any_model_loads(
+        runs, tiny_sd3, prompt_file, tmp_path, written, resumed, was, now, config):
+    output_dir = str(tmp_path / written)
+    shutil.copytree(runs[written], output_dir)
+    shutil.rmtree(os.path.join(output_dir, "checkpoint-3"))
+    args = train_args(tiny_sd3, prompt_file, output_dir, "--resume_from_checkpoint", "latest")
+    proc = subprocess.run(launch_command("train_genrl.py", args, config=resumed, num_processes=2), env=script_env(),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    checkpoint = os.path.join(output_dir, "checkpoint-2")
+    assert set(script_errors(proc.stderr)) == {
+        f"train_genrl.py: error: Cannot resume from {checkpoint}: it was written under {was} and this run uses {now}, "
+        f"whose optimizer states are laid out otherwise: resume it with the config it was written with (--config_file "
+        f"{config}), or start afresh with --overwrite_output_dir or a new --output_dir."
+    }, proc.stderr[-3000:]
+    assert "trained timesteps per sample" not in proc.stderr, "refused only after the models loaded"
