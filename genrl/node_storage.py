@@ -126,40 +126,55 @@ def _describe(found: list[tuple[int, str]]) -> str:
     return ", ".join(name for _, name in found) if found else "none"
 
 
-def agree_on_resume(accelerator, candidates: list[str], per_rank_dirs: dict[str, list[str]], *, latest: bool,
-                    output_dir: str) -> str | None:
-    """The checkpoint every rank resumes from (collective).
+def rank_findings(candidates: list[str], rank: int, per_rank_dirs: dict[str, list[str]]) -> dict:
+    """What rank ``rank`` found among its ``candidates`` (checkpoint folders; ``per_rank_dirs``:
+    each one's genrl per-rank folders): the checkpoints whose files for it are all present
+    (``complete``), those missing some (``incomplete``), as :func:`_key` tuples, and whether any
+    candidate is a checkpoint at all (``any``)."""
+    complete = [p for p in candidates if not missing_rank_files(p, rank, per_rank_dirs.get(p, ()))]
+    return {
+        "rank": rank, "complete": [_key(p) for p in complete],
+        "incomplete": [_key(p) for p in candidates if p not in complete],
+        "any": any(os.path.isfile(os.path.join(p, STATE_FILE)) for p in candidates),
+    }
 
-    ``candidates``: this rank's checkpoint folders, oldest first (``latest``) or the one folder
-    named; ``per_rank_dirs``: each candidate's genrl per-rank folders. Each rank keeps the
-    candidates whose files for it are all present; with ``latest`` every rank takes the newest step
-    they all kept (None when no rank has any), else every rank must have the named one. Ranks with
-    nothing in common are a ``SetupError`` naming what each found."""
-    rank = accelerator.process_index
-    complete, incomplete = [], []
-    for path in candidates:
-        (incomplete if missing_rank_files(path, rank, per_rank_dirs.get(path, ())) else complete).append(path)
-    present = [p for p in candidates if os.path.isfile(os.path.join(p, STATE_FILE))]
-    found = gather_object([(rank, [_key(p) for p in complete], [_key(p) for p in incomplete], bool(present))])
-    if not any(has_any for *_, has_any in found):  # no rank has a checkpoint there at all
+
+def choose_resume(found: list[dict], *, latest: bool, named: str | None,
+                  output_dir: str) -> tuple[tuple[int, str] | None, str | None]:
+    """``(checkpoint, note)``: the checkpoint (a :func:`_key`) every rank resumes, from every rank's
+    :func:`rank_findings`, the newest one they all have complete (None when no rank has any and
+    ``latest``: a new run), and a warning when some rank has a newer one. A ``named`` folder no
+    rank has, or ranks with nothing in common, are a ``SetupError``."""
+    if not any(f["any"] for f in found):
         if latest:
-            return None
-        raise SetupError(f"--resume_from_checkpoint {candidates[0]!r} is not a genrl checkpoint folder (no {STATE_FILE}); "
+            return None, None
+        raise SetupError(f"--resume_from_checkpoint {named!r} is not a genrl checkpoint folder (no {STATE_FILE}); "
                          "pass 'latest' or a checkpoint-<step> folder.")
-    every = [set(steps) for _, steps, _, _ in found]
+    every = [set(f["complete"]) for f in found]
     common = set.intersection(*every)
     if common:
-        step = max(common)
-        newer = sorted({s for steps in every for s in steps if s > step})
-        if newer and accelerator.is_main_process:
-            logger.warning(f"Resuming {step[1]}, the newest one every rank has complete "
-                           f"(not every rank has {_describe(newer)}).")
-        return next(p for p in complete if _key(p) == step)
+        chosen = max(common)
+        newer = sorted({key for keys in every for key in keys if key > chosen})
+        note = f"Resuming {chosen[1]}, the newest one every rank has complete (not every rank has {_describe(newer)})."
+        return chosen, note if newer else None
     described = "; ".join(
-        f"rank {r} found {_describe(sorted(steps))}" + (f" (incomplete for it: {_describe(sorted(partial))})" if partial else "")
-        for r, steps, partial, _ in found
+        f"rank {f['rank']} found {_describe(sorted(f['complete']))}"
+        + (f" (incomplete for it: {_describe(sorted(f['incomplete']))})" if f["incomplete"] else "")
+        for f in found
     )
     raise SetupError(
         f"The ranks have no checkpoint in common to resume from in --output_dir {output_dir} ({described}): give every "
         f"node the same checkpoints (copy the folders), or start afresh with --overwrite_output_dir or a new --output_dir."
     )
+
+
+def agree_on_resume(accelerator, candidates: list[str], per_rank_dirs: dict[str, list[str]], *, latest: bool,
+                    output_dir: str) -> str | None:
+    """The checkpoint folder every rank resumes from (collective): each rank reports what it found
+    among its ``candidates`` (its checkpoint folders, oldest first, with ``latest``; else the one
+    folder named) and all apply :func:`choose_resume` to every rank's report."""
+    found = gather_object([rank_findings(candidates, accelerator.process_index, per_rank_dirs)])
+    chosen, note = choose_resume(found, latest=latest, named=None if latest else candidates[0], output_dir=output_dir)
+    if note and accelerator.is_main_process:
+        logger.warning(note)
+    return None if chosen is None else next(p for p in candidates if _key(p) == chosen)
