@@ -366,7 +366,7 @@ def test_video_frames_between_videoalign_pixel_bounds():
         assert prep.VIDEO_MIN_PIXELS <= rh * rw <= prep.VIDEO_MAX_PIXELS
 
 
-def test_preprocessing_writes_no_files(monkeypatch):
+def test_preprocessing_writes_no_files(monkeypatch, tmp_path):
     import cv2
 
     def forbidden(*args, **kwargs):
@@ -376,10 +376,12 @@ def test_preprocessing_writes_no_files(monkeypatch):
         monkeypatch.setattr(cv2, name, forbidden)
     for name in ("mkstemp", "mkdtemp", "NamedTemporaryFile", "TemporaryDirectory"):
         monkeypatch.setattr(tempfile, name, forbidden)
-    before = sorted(os.listdir(tempfile.gettempdir()))
+    # A temporary folder of this test's own: other processes (the other test worker) write to /tmp.
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     prep.preprocess_clips(smooth_images(5, 60, 90)[None], prep.VisionSpec(),
                           min_pixels=prep.VIDEO_MIN_PIXELS, max_pixels=prep.VIDEO_MAX_PIXELS)
-    assert sorted(os.listdir(tempfile.gettempdir())) == before
+    assert os.listdir(tmp_path) == []
 
 
 # ----------------------------------------------------------------------------- templates
