@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch_command, run_script, script_env, script_errors
+from conftest import ROOT, kill_launch, launch_command, run_script, script_env, script_errors
 
 pytestmark = pytest.mark.slow
 
@@ -164,8 +163,7 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
             assert time.time() < deadline, "no checkpoint within 300 s"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
-        proc.wait()
+        kill_launch(proc)  # the launcher and both ranks, mid-run
     assert not os.path.exists(os.path.join(output_dir, "transformer")), "the run finished before it was killed"
 
     run_script("train_genrl.py", args, config="zero2", num_processes=2)
