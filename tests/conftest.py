@@ -28,6 +28,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+# Each test worker runs as on a fresh machine: an empty extensions cache of its own for torch's
+# JIT builds (DeepSpeed's ops), neither reusing ~/.cache/torch_extensions nor waiting on a lock
+# a killed build left there.
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    import shutil
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="genrl-tests-torch-extensions-")
+    atexit.register(shutil.rmtree, os.environ["TORCH_EXTENSIONS_DIR"], ignore_errors=True)
+
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
 
 
