@@ -21,6 +21,7 @@ import gc
 import json
 import logging
 import os
+from contextlib import ExitStack
 
 from genrl.console import hide_loading_bars, silence_known_noise
 
@@ -38,6 +39,7 @@ from genrl.distributed import build_accelerator, end_processes, zero_init_disabl
 from genrl.errors import find_setup_error
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
+from genrl.output_lock import lock_output_dir
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
@@ -236,9 +238,16 @@ def _summary(stats: dict) -> str:
     return line
 
 
-def main(args):
+def main(args, held: ExitStack | None = None):
+    """The evaluation; ``held`` keeps the output folder's lock until the caller closes it, else
+    until the process ends."""
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     accelerator = build_accelerator(output_dir=args.output_dir)
+    # Two evaluations into one folder would leave one's metrics.json beside the other's samples
+    # and videos; so would one writing into a training run's folder while it runs.
+    lock = lock_output_dir(accelerator, args.output_dir)
+    if held is not None:
+        held.enter_context(lock)
     torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation
 
     if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
@@ -302,7 +311,8 @@ def run(argv=None) -> None:
     args = parse_args(argv)
     hide_loading_bars()
     try:
-        main(args)
+        with ExitStack() as held:  # in-process calls (the tests) give the folder's lock back
+            main(args, held)
     except Exception as error:
         reason = find_setup_error(error)
         if reason is None:

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from functools import partial
 
 import torch
@@ -48,8 +48,9 @@ from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard, NonFiniteSamples, samples_stop_message
-from genrl.node_storage import output_dir_is_node_local, use_node_local_checkpoints
+from genrl.node_storage import checkpoint_writer, output_dir_is_node_local, use_node_local_checkpoints
 from genrl.objectives import check_sigma_range_holds, reference_model
+from genrl.output_lock import lock_output_dir
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.preemption import Preempted, PreemptionWatch, capture_rng_states, preempted_message, restore_rng_states
@@ -68,7 +69,9 @@ from genrl.zero_init import describe_partitioned_build, zero3_init_requested
 logger = get_logger(__name__)
 
 
-def main(args):
+def main(args, held: ExitStack | None = None):
+    """The run; ``held`` keeps what it holds for its life (the output folder's lock) until
+    the caller closes it, else until the process ends."""
     launch_time = time.perf_counter()  # wall time in the logs counts from here (set-up included)
 
     # ---- Data (first: an empty or missing prompt set fails before any model loads) ---------------
@@ -106,6 +109,12 @@ def main(args):
                     "the export, samples and logs are written on the main node.", main_process_only=True)
     if accelerator.is_local_main_process:
         os.makedirs(args.output_dir, exist_ok=True)
+    # One run per output folder (each node's, when they are node-local): a second run into it stops
+    # here, before anything in it is read, cleared (--overwrite_output_dir) or written and before
+    # any model loads.
+    lock = lock_output_dir(accelerator, args.output_dir, take=checkpoint_writer(accelerator, node_local))
+    if held is not None:
+        held.enter_context(lock)
     if args.allow_tf32 and torch.cuda.is_available():
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.cpu_threads is not None and accelerator.device.type == "cpu":
@@ -467,7 +476,9 @@ def run(argv=None) -> None:
     args = parse_args(argv)
     hide_loading_bars()
     try:
-        main(args)
+        # A run called in-process (the tests) gives its folder's lock back however main() ends.
+        with ExitStack() as held:
+            main(args, held)
     except Exception as error:
         reason = find_setup_error(error) or describe_timeout(error, args.collective_timeout)
         if reason is None:

@@ -49,7 +49,8 @@ def build_accelerator(
 
     ``collective_timeout_s`` bounds every collective of the process group (gloo and NCCL,
     DeepSpeed's included): a rank waiting longer for a hung or stopped peer fails instead of
-    waiting forever (see :func:`describe_timeout`).
+    waiting forever (see :func:`describe_timeout`). Under DeepSpeed, ``prepare_deepspeed_start``
+    runs first.
     """
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
@@ -66,9 +67,11 @@ def build_accelerator(
         import torch.distributed.distributed_c10d as c10d
 
         c10d.default_pg_timeout = c10d.default_pg_nccl_timeout = group["timeout"]
+    if deepspeed:
+        prepare_deepspeed_start(cpu_only=cpu_only, local_processes=local_processes)
     # A single plain process has no process group: a backend there would make Accelerate ask for one.
     kwargs_handlers = [InitProcessGroupKwargs(**group)] if launched and group else []
-    accelerator = Accelerator(
+    return Accelerator(
         # Without CUDA, a multi_gpu (DDP) config becomes DDP over gloo on CPU; DeepSpeed keeps its own type.
         cpu=cpu_only and not deepspeed,
         gradient_accumulation_steps=gradient_accumulation_steps,
@@ -77,30 +80,25 @@ def build_accelerator(
         project_config=ProjectConfiguration(project_dir=output_dir, logging_dir=f"{output_dir}/{logging_dir}"),
         kwargs_handlers=kwargs_handlers,
     )
-    if cpu_only and deepspeed:
-        if "LOCAL_SIZE" in os.environ:
-            # Set before the backend started (DeepSpeed's own launcher, MPI, the user): the backend
-            # has opened its shared-memory all-reduce buffers, which DeepSpeed never unlinks. Once
-            # every rank has mapped every buffer, each rank unlinks its own name; the mappings stay
-            # valid until the process ends, and nothing is left in RAM, even after a kill.
-            accelerator.wait_for_everyone()
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(deepspeed_shm_buffer_path(accelerator.process_index))
+
+
+def prepare_deepspeed_start(*, cpu_only: bool, local_processes: int) -> None:
+    """Before DeepSpeed's communication backend starts: no op built at every process start,
+    and a build lock in the way of an op this run needs stops it in one sentence
+    (``genrl.deepspeed_ops``) instead of a launch that waits forever."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    from genrl.deepspeed_ops import check_build_locks, skip_shm_comm_op
+
+    skip_shm_comm_op()
+    if cpu_only:
         # DeepSpeed's CPU accelerator counts its "devices" as NUMA nodes by running `numactl`
         # in a subprocess unless LOCAL_SIZE is set, and ZeRO-3 asks at every gradient
-        # reduce-scatter (~1,200 forks in a 3-step test run). Set only now, after its
-        # communication backend started: with LOCAL_SIZE set then, that backend opens a
-        # shared-memory all-reduce (unused by training) of 66 MB per rank.
+        # reduce-scatter (~1,200 forks in a 3-step test run). It is set as DeepSpeed's own
+        # launcher sets it; its only other reader is the shared-memory op kept unbuilt above.
         os.environ.setdefault("LOCAL_SIZE", str(local_processes))
-    return accelerator
-
-
-def deepspeed_shm_buffer_path(rank: int) -> str:
-    """The file of DeepSpeed's CPU shared-memory all-reduce buffer of ``rank`` (its shm.cpp:
-    ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` in /dev/shm). The
-    backend creates one per rank when LOCAL_SIZE equals the world size at its start."""
-    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
-    return os.path.join("/dev/shm", f"deepspeed_allreduce_buffer_{os.getuid()}_{addr}_{port}_{rank}")
+    # The config as Accelerate will read it (the launch's variables, or its DeepSpeed JSON).
+    check_build_locks(DeepSpeedPlugin().deepspeed_config.get("zero_optimization", {}))
 
 
 def cpu_threads_per_process(requested: int, cores: int, local_processes: int) -> int:

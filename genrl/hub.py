@@ -10,7 +10,8 @@ What is uploaded from the export folder:
   ``README.md`` model card, sample images, ``logs/`` with ``metrics.jsonl`` and the
   TensorBoard events — small, and what makes a run reviewable on the Hub),
 - except the intermediate ``checkpoint-<step>/`` folders (optimizer and RNG state, many GB
-  each, only useful to resume training locally).
+  each, only useful to resume training locally) and the run's lock of the folder (it names
+  the host and PID that held it).
 
 Where the Hub is: ``HF_ENDPOINT`` (read by huggingface_hub at import) or its default.
 """
@@ -22,9 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from huggingface_hub import HfApi
 
+from genrl.output_lock import LOCK_FILE
+
 # fnmatch patterns, relative to the export folder; "*" also matches "/", so this drops the
 # checkpoint folders with everything inside them.
 CHECKPOINT_PATTERNS = ["checkpoint-*"]
+NEVER_PUSHED = CHECKPOINT_PATTERNS + [LOCK_FILE]
 
 # The files of a checkpoint folder that make a loadable model (the export layout); the rest
 # of a checkpoint is Accelerate/DeepSpeed training state that the Hub does not need.
@@ -42,7 +46,7 @@ class HubPushError(RuntimeError):
 
 
 def _ignore_cli_hint(repo_id: str, folder: str) -> str:
-    return f"hf upload {repo_id} {folder} . --exclude 'checkpoint-*'"
+    return f"hf upload {repo_id} {folder} . " + " ".join(f"--exclude '{pattern}'" for pattern in NEVER_PUSHED)
 
 
 def push_to_hub(
@@ -63,7 +67,7 @@ def push_to_hub(
         token: a Hub token; ``None`` uses the locally saved one.
         private: create the repo private (ignored when it already exists).
         allow_patterns: upload only these (fnmatch, relative paths); ``None`` = everything.
-        ignore_patterns: skipped in addition to ``CHECKPOINT_PATTERNS``.
+        ignore_patterns: skipped in addition to ``NEVER_PUSHED``.
 
     Returns:
         The URL of the commit on the Hub.
@@ -97,7 +101,7 @@ def push_to_hub(
             folder_path=export_dir,
             commit_message=commit_message,
             allow_patterns=allow_patterns,
-            ignore_patterns=CHECKPOINT_PATTERNS + list(ignore_patterns or []),
+            ignore_patterns=NEVER_PUSHED + list(ignore_patterns or []),
         )
     except Exception as err:
         raise HubPushError(

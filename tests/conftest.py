@@ -11,6 +11,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 import atexit
+import contextlib
 import json
 import select
 import signal
@@ -26,6 +27,15 @@ import torch
 # "cpu" there put DeepSpeed's tensors on the CPU under Accelerate's NCCL group: a GPU-machine bug).
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+# Each test worker runs as on a fresh machine: an empty extensions cache of its own for torch's
+# JIT builds (DeepSpeed's ops), neither reusing ~/.cache/torch_extensions nor waiting on a lock
+# a killed build left there.
+if "TORCH_EXTENSIONS_DIR" not in os.environ:
+    import shutil
+
+    os.environ["TORCH_EXTENSIONS_DIR"] = tempfile.mkdtemp(prefix="genrl-tests-torch-extensions-")
+    atexit.register(shutil.rmtree, os.environ["TORCH_EXTENSIONS_DIR"], ignore_errors=True)
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
 
@@ -162,13 +172,38 @@ def run_script(script: str, args: list[str], config: str | None = None, num_proc
     if config is None:
         proc = run_python(script, args, timeout=timeout, env={**script_env(), **env} if env else None)
     else:
-        proc = subprocess.run(
+        with subprocess.Popen(
             launch_command(script, args, config, num_processes), cwd=ROOT, env={**script_env(), **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
-        )
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        ) as launch:
+            try:
+                stdout, stderr = launch.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                kill_launch(launch)
+                raise
+        proc = subprocess.CompletedProcess(launch.args, launch.returncode, stdout, stderr)
     if proc.returncode != 0:
         pytest.fail(f"{script} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return proc
+
+
+def kill_launch(proc: subprocess.Popen) -> None:
+    """SIGKILL a launch started with ``start_new_session=True``: its ranks first, then the launcher
+    and its process group. The ranks of ``accelerate launch`` run in sessions of their own, so
+    killing the launcher's group alone leaves them running on (and holding the output folder)."""
+    import psutil
+
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    for rank in ranks:
+        with contextlib.suppress(psutil.Error):
+            rank.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    psutil.wait_procs(ranks, timeout=30)
 
 
 # Tests that launch the real scripts or benchmarks as new processes (seconds to minutes each)

@@ -13,6 +13,7 @@ from huggingface_hub import ModelCard
 
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.model_card import write_model_card
+from genrl.output_lock import LOCK_FILE
 from tests.fake_hub_server import FakeHubServer
 
 TOKEN = "hf_dummy_token_for_tests"
@@ -48,7 +49,7 @@ def _write(path, data: bytes):
 @pytest.fixture
 def export_dir(tmp_path):
     """A final export as the trainer leaves it: model files, model card, logs, and two
-    intermediate checkpoints that must never be pushed."""
+    intermediate checkpoints and the folder's lock that must never be pushed."""
     root = tmp_path / "run"
     rng = np.random.default_rng(0)
     _write(root / "genrl_config.json", b'{"base_model": "tiny/wan", "family": "wan", "use_lora": false}')
@@ -56,6 +57,7 @@ def export_dir(tmp_path):
     _write(root / "transformer" / "diffusion_pytorch_model.safetensors", rng.bytes(4096))
     _write(root / "logs" / "metrics.jsonl", b'{"step": 1, "reward/r_mean": 0.5}\n')
     cv2.imwrite(str(root / "samples.png"), rng.integers(0, 255, (16, 32, 3), dtype=np.uint8))
+    _write(root / LOCK_FILE, b'{"host": "node-7", "pid": 4242}\n')
     for step in (10, 20):
         ckpt = root / f"checkpoint-{step}"
         _write(ckpt / "genrl_config.json", b"{}")
@@ -74,7 +76,7 @@ def test_push_uploads_the_export_and_card_without_checkpoints(hub, export_dir):
     url = push_to_hub(str(export_dir), repo_id="me/wan-grpo", token=TOKEN, commit_message="final model")
 
     local = _snapshot(export_dir)
-    expected = {p: b for p, b in local.items() if not p.startswith("checkpoint-")}
+    expected = {p: b for p, b in local.items() if not p.startswith("checkpoint-") and p != LOCK_FILE}
     assert hub.files["me/wan-grpo"] == expected  # same paths, same bytes
     assert "README.md" in expected and "transformer/diffusion_pytorch_model.safetensors" in expected
     assert not any("optimizer" in p or p.startswith("checkpoint-") for p in hub.files["me/wan-grpo"])

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import time
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch_command, run_script, script_env, script_errors
+from conftest import ROOT, kill_launch, launch_command, run_script, script_env, script_errors
 
 pytestmark = pytest.mark.slow
 
@@ -62,14 +61,34 @@ def shm_before_runs() -> set[str]:
     return shm_buffers()
 
 
+# The lock file torch's JIT builder holds while it builds or loads DeepSpeed's CPU shared-memory
+# all-reduce op, which DeepSpeed's CPU backend used to load at every process start.
+SHM_OP_LOCK = os.path.join("deepspeed_shm_comm", "lock")
+
+
 @pytest.fixture(scope="module")
-def runs(shm_before_runs, tiny_sd3, prompt_file, tmp_path_factory):
-    """One 2-process run per config, same seed and data."""
+def stale_extensions(tmp_path_factory) -> dict[str, str]:
+    """For each DeepSpeed config, a fresh TORCH_EXTENSIONS_DIR (a fresh machine's) holding the
+    ``SHM_OP_LOCK`` that a build killed while holding it left behind."""
+    out = {}
+    for config in ("zero2", "zero3"):
+        out[config] = str(tmp_path_factory.mktemp(f"{config}-torch-extensions"))
+        os.makedirs(os.path.dirname(os.path.join(out[config], SHM_OP_LOCK)))
+        open(os.path.join(out[config], SHM_OP_LOCK), "w").close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(shm_before_runs, stale_extensions, tiny_sd3, prompt_file, tmp_path_factory):
+    """One 2-process run per config, same seed and data. The DeepSpeed runs start on
+    ``stale_extensions`` (a load of that op would wait on its lock forever: run_script's
+    timeout bounds what that would cost here)."""
     out = {}
     for config in CONFIGS:
         output_dir = str(tmp_path_factory.mktemp(config))
-        # The ZeRO-3 run has LOCAL_SIZE set before it starts, as DeepSpeed's own launcher sets it.
-        env = {"LOCAL_SIZE": "2"} if config == "zero3" else None
+        env = {"TORCH_EXTENSIONS_DIR": stale_extensions[config]} if config in stale_extensions else {}
+        if config == "zero3":  # LOCAL_SIZE set before it starts, as DeepSpeed's own launcher sets it
+            env["LOCAL_SIZE"] = "2"
         proc = run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir), config=config, num_processes=2,
                           env=env)
         with open(os.path.join(output_dir, "launch.log"), "w") as f:
@@ -79,12 +98,22 @@ def runs(shm_before_runs, tiny_sd3, prompt_file, tmp_path_factory):
 
 
 def test_deepspeed_runs_leave_nothing_in_shared_memory(runs, shm_before_runs):
-    """With LOCAL_SIZE set when its communication backend starts, DeepSpeed's CPU backend opens a
-    shared-memory all-reduce of 66 MB per rank and never unlinks it: each run would keep that
-    in RAM (/dev/shm) until a reboot. The trainer sets LOCAL_SIZE only after that start (the
-    ZeRO-2 run), and where a launcher set it before (the ZeRO-3 run), unlinks the buffers once
-    every rank has mapped them."""
+    """DeepSpeed's CPU backend, with its shared-memory all-reduce op loaded and LOCAL_SIZE set
+    when it starts, opens buffers of 66 MB per rank and never unlinks them: each run would keep
+    that in RAM (/dev/shm) until a reboot. The trainer keeps that op unloaded, whoever sets
+    LOCAL_SIZE (the trainer in the ZeRO-2 run, the launch before the start in the ZeRO-3 one)."""
     assert shm_buffers() - shm_before_runs == set()
+
+
+@pytest.mark.parametrize("config", ["zero2", "zero3"])
+def test_deepspeed_runs_build_no_op_and_pass_a_stale_build_lock(runs, stale_extensions, config):
+    """The runs above finished on an extensions cache holding a stale lock of the op that
+    DeepSpeed's CPU backend builds (and loads, under that lock) at every process start: they
+    neither waited on it nor built anything, so no launch depends on a warm cache."""
+    extensions = stale_extensions[config]
+    files = sorted(os.path.relpath(os.path.join(folder, name), extensions)
+                   for folder, _, names in os.walk(extensions) for name in names)
+    assert files == [SHM_OP_LOCK]
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -164,8 +193,7 @@ def test_killed_run_resumes_to_the_same_weights(runs, tiny_sd3, prompt_file, tmp
             assert time.time() < deadline, "no checkpoint within 300 s"
             time.sleep(0.2)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, mid-run
-        proc.wait()
+        kill_launch(proc)  # the launcher and both ranks, mid-run
     assert not os.path.exists(os.path.join(output_dir, "transformer")), "the run finished before it was killed"
 
     run_script("train_genrl.py", args, config="zero2", num_processes=2)
@@ -276,8 +304,7 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bi
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            kill_launch(proc)
     assert proc.returncode == 143, stderr[-3000:]
     stopped = [line for line in stderr.splitlines() if "train_genrl.py: Pre-empted by SIGTERM at step" in line]
     assert len(stopped) == 1, stderr[-3000:]  # one sentence, from the main process
