@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -125,7 +126,9 @@ def test_two_process_run_writes_checkpoints_and_loadable_export(runs, tiny_sd3, 
     assert checkpoints == ["checkpoint-1", "checkpoint-2", "checkpoint-3"]
     assert not any(d.endswith(".tmp") for d in os.listdir(output_dir))
     state = json.load(open(os.path.join(output_dir, "checkpoint-3", "genrl_state.json")))
-    assert state == {"global_step": 3, "epoch": 2, "num_processes": 2, "run": state["run"]}
+    formats = {"multi_gpu": "torch", "zero2": "deepspeed_zero2", "zero3": "deepspeed_zero3"}
+    assert state == {"global_step": 3, "epoch": 2, "num_processes": 2, "format": formats[config], "per_rank_dirs": ["ema"],
+                     "run": state["run"]}
     assert state["run"]["seed"] == 7 and state["run"]["group_size"] == 4, "the checkpoint records its run"
 
     trained = SD3Transformer2DModel.from_pretrained(os.path.join(output_dir, "transformer"))
