@@ -286,16 +286,19 @@ def test_zero_advantage_filtering_keeps_ranks_in_lockstep_under_zero3(tmp_path):
     assert all(0 < i <= k for i, k in zip(informative, kept)), (informative, kept)
 
 
-def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bit_identical(runs, tiny_sd3, prompt_file,
-                                                                                            tmp_path):
-    """Kubernetes signals the container's first process (here `accelerate launch`, whose torchrun
-    forwards SIGTERM to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT before SIGKILL)."""
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bit_identical(runs, tiny_sd3, prompt_file,
+                                                                                            tmp_path, signal_name):
+    """Kubernetes sends SIGTERM to the container's first process, here `accelerate launch`, whose
+    torchrun forwards it to the ranks and waits TORCH_ELASTIC_SHUTDOWN_TIMEOUT before SIGKILL; SLURM's
+    --signal=USR1@N reaches it too, and torchrun forwards SIGUSR1 with the README's environment."""
     output_dir = str(tmp_path / "preempted")
     args = train_args(tiny_sd3, prompt_file, output_dir, "--resume_from_checkpoint", "latest", "--checkpointing_steps", "100")
+    env = {**script_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120",
+           "PET_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"}
     proc = subprocess.Popen(
-        launch_command("train_genrl.py", args, config="zero2", num_processes=2),
-        env={**script_env(), "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "120"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, start_new_session=True,
+        launch_command("train_genrl.py", args, config="zero2", num_processes=2), env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True, start_new_session=True,
     )
     metrics = os.path.join(output_dir, "logs", "metrics.jsonl")
     try:
@@ -303,13 +306,13 @@ def test_sigterm_to_the_launcher_saves_on_every_rank_and_the_resumed_run_ends_bi
         while not (os.path.exists(metrics) and '"train/lr"' in open(metrics).read()):  # epoch 0 is done
             assert proc.poll() is None and time.time() < deadline, "the run ended or stalled before its first epoch"
             time.sleep(0.1)
-        proc.send_signal(signal.SIGTERM)  # the launcher alone
+        proc.send_signal(getattr(signal, signal_name))  # the launcher alone
         _, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             kill_launch(proc)
-    assert proc.returncode == 143, stderr[-3000:]
-    stopped = [line for line in stderr.splitlines() if "train_genrl.py: Pre-empted by SIGTERM at step" in line]
+    assert proc.returncode == 128 + getattr(signal, signal_name), stderr[-3000:]
+    stopped = [line for line in stderr.splitlines() if f"train_genrl.py: Pre-empted by {signal_name} at step" in line]
     assert len(stopped) == 1, stderr[-3000:]  # one sentence, from the main process
     step = int(re.search(r"at step (\d+): saved checkpoint-\1; continue with --resume_from_checkpoint latest\.$",
                          stopped[0]).group(1))
