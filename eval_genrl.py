@@ -39,7 +39,7 @@ from genrl.errors import find_setup_error
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
-from genrl.rewards import build_reward_fn
+from genrl.rewards import build_reward_fn, check_reward_options
 from genrl.rollout import SamplingConfig
 from genrl.sde import ODE_SOLVERS
 
@@ -51,7 +51,7 @@ WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 
 
 def parse_args(input_args=None):
-    parser = argparse.ArgumentParser(description="Deterministic, bounded evaluation of a genrl model.")
+    parser = argparse.ArgumentParser(prog="eval_genrl.py", description="Deterministic, bounded evaluation of a genrl model.")
     parser.add_argument(
         "--model", "--checkpoint", "--pretrained_model_name_or_path", dest="model", type=str, required=True,
         help="A base diffusers pipeline (folder or Hub id), a genrl export (output_dir), a checkpoint-<step> "
@@ -131,6 +131,10 @@ def parse_args(input_args=None):
             check_attention_backend_name(args.attention_backend)
         except ValueError as error:
             parser.error(str(error))
+    try:
+        check_reward_options({}, [args.reward_fn])  # unknown names, module:function rewards that do not import
+    except (ValueError, ImportError) as error:
+        parser.error(str(error))
     return args
 
 

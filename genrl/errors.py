@@ -9,6 +9,8 @@ training loop wrapped by the reward registry and the scorer, hence the walk alon
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class SetupError(ValueError):
     """Input or environment the user must fix; its message is the whole report."""
@@ -24,6 +26,13 @@ def find_setup_error(error: BaseException | None) -> SetupError | None:
         seen.add(id(error))
         error = error.__cause__ or error.__context__
     return None
+
+
+def json_type(value: Any) -> str:
+    """How JSON calls the type of a parsed value (for messages): object, list, string, number,
+    boolean, null; other Python types by their name."""
+    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def hub_failure_reason(error: BaseException) -> str:

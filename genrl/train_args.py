@@ -387,7 +387,7 @@ def parse_args(argv=None):
     args.objective = args.objective or "grpo"
     try:
         validate_args(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         parser.error(str(e))  # one line (OneLineErrorParser), exit status 2
     return args
 
@@ -405,6 +405,7 @@ def validate_args(args) -> None:
     parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
     args.eval_reward_fn = args.eval_reward_fn or args.reward_fn
     parse_reward_spec(args.eval_reward_fn)
+    # Also imports every module:function reward and checks the paths the options name.
     check_reward_options(load_reward_options(args.reward_options), [args.reward_fn, args.eval_reward_fn])
     if args.resolution is not None:
         args.height = args.height or args.resolution

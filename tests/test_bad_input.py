@@ -4,6 +4,7 @@ malformed prompt files, records without a prompt, reward values beyond float32."
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
@@ -147,3 +148,85 @@ def test_a_float64_reward_beyond_float32_is_named_as_an_overflow(tmp_path, monke
         reward(torch.rand(2, 3, 1, 8, 8), ["a", "b"], [{}, {}])
     assert "Reward 'huge_reward:huge' returned 1e+39, which overflows float32 (largest 3.4e+38)" in str(failure.value)
     assert "inf" not in str(failure.value)
+
+
+# The README's example of local reward weights, on a machine that has none of them.
+README_HPSV3 = '{"hpsv3": {"checkpoint": "/models/HPSv3/HPSv3.safetensors", "base_model": "/models/Qwen2-VL-7B-Instruct"}}'
+
+
+@pytest.mark.parametrize("reward_fn, options, expected", [
+    ("hpsv3", '{"hpsv3": {"chekpoint": "MizzenAI/HPSv3"}}',
+     "Reward 'hpsv3' takes no option 'chekpoint' (its options: ['attn_implementation', 'base_model', 'batch_size', "
+     "'checkpoint', 'dtype', 'lora_alpha', 'on_meta', 'pixels', 'template_path'])."),
+    ("hpsv3", README_HPSV3,
+     "Reward 'hpsv3' option 'checkpoint': '/models/HPSv3/HPSv3.safetensors' does not exist (nor is it a Hub repo id "
+     "like 'org/name')."),
+    ("hpsv3", '{"hpsv3": {"checkpoint": "MizzenAI/HPSv3", "base_model": "./Qwen2-VL-7B-Instruct"}}',
+     "Reward 'hpsv3' option 'base_model': './Qwen2-VL-7B-Instruct' does not exist (nor is it a Hub repo id like 'org/name')."),
+    ("videoalign_mq", '{"videoalign_mq": {"template_path": "KwaiVGI/prompt_template.json"}}',
+     "Reward 'videoalign_mq' option 'template_path': 'KwaiVGI/prompt_template.json' does not exist."),
+    ("pickscore", '{"pickscore": {"processor": 224}}', "Reward 'pickscore' option 'processor': 224 must be a path or a Hub repo id, not a number."),
+    ("toy_geneval", '{"toy_geneval": {"threshold": 0.5}}', "Reward 'toy_geneval' takes no option 'threshold' (its options: ['min_area_fraction'])."),
+])
+def test_options_a_reward_model_does_not_take_or_paths_that_are_not_there_are_refused_when_parsed(
+        tiny_sd3, prompt_file, tmp_path, capsys, reward_fn, options, expected):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", options)
+    argv[argv.index("--reward_fn") + 1] = reward_fn
+    assert parse_error(capsys, argv) == expected
+
+
+def test_reward_model_paths_that_exist_or_hub_ids_pass_the_parse(tiny_sd3, prompt_file, tmp_path):
+    (tmp_path / "HPSv3.safetensors").write_bytes(b"")
+    (tmp_path / "template.json").write_text("{}")
+    options = ('{"hpsv3": {"checkpoint": "%s", "base_model": "%s", "template_path": "%s"}, "pickscore": {"checkpoint": '
+               '"yuvalkirstain/PickScore_v1"}}' % (tmp_path / "HPSv3.safetensors", tmp_path, tmp_path / "template.json"))
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", options,
+                     "--eval_reward_fn", "hpsv3,pickscore")
+    argv[argv.index("--reward_fn") + 1] = "hpsv3"
+    train_args.parse_args(argv)  # nothing fetched or loaded: a Hub id is resolved when the model loads
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """An importable module ``bad_input_rewards`` with ``scaled(samples, prompts, metadata, scale=1.0)``."""
+    (tmp_path / "bad_input_rewards.py").write_text(
+        "import torch\ndef scaled(samples, prompts, metadata, scale=1.0):\n    return torch.zeros(len(samples)) + scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "bad_input_rewards"
+    sys.modules.pop("bad_input_rewards", None)
+
+
+@pytest.mark.parametrize("flag, spec, options, expected", [
+    ("--reward_fn", "nosuchmod:fn", None,
+     "Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); it must be importable "
+     "from where the script runs (PYTHONPATH)."),
+    ("--eval_reward_fn", "nosuchmod:fn", None,
+     "Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); it must be importable "
+     "from where the script runs (PYTHONPATH)."),
+    ("--reward_fn", "bad_input_rewards:nosuchfn", None,
+     "bad_input_rewards.nosuchfn for reward 'bad_input_rewards:nosuchfn' does not exist or is not callable."),
+    ("--reward_fn", "bad_input_rewards:scaled", '{"bad_input_rewards:scaled": {"sclae": 2}}',
+     "Reward 'bad_input_rewards:scaled' takes no option 'sclae' (its options: ['scale'])."),
+])
+def test_a_reward_function_that_cannot_be_imported_or_given_its_options_is_refused_when_parsed(
+        tiny_sd3, prompt_file, tmp_path, capsys, user_rewards, flag, spec, options, expected):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), flag, spec, *(["--reward_options", options] if options else []))
+    assert parse_error(capsys, argv) == expected
+
+
+def test_a_reward_function_and_its_options_pass_the_parse(tiny_sd3, prompt_file, tmp_path, user_rewards):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", '{"bad_input_rewards:scaled": {"scale": 2}}')
+    argv[argv.index("--reward_fn") + 1] = "bad_input_rewards:scaled"
+    assert train_args.parse_args(argv).reward_fn == "bad_input_rewards:scaled"
+
+
+def test_eval_refuses_a_reward_function_that_cannot_be_imported_before_any_model_loads(tmp_path, capsys):
+    import eval_genrl
+
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.parse_args(["--model", str(tmp_path / "no-model"), "--reward_fn", "nosuchmod:fn"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "eval_genrl.py: error: Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); "
+        "it must be importable from where the script runs (PYTHONPATH).")
+

@@ -22,7 +22,10 @@ videoalign_vq + videoalign_ta: one forward pass). Factories share models through
 `genrl.rewards.lifecycle.get_reward_model`.
 
 Factories may be registered as ``"package.module:function"`` strings, imported on first
-use, so that importing the registry never imports a reward model's heavy dependencies.
+use, so that importing the registry never imports a reward model's heavy dependencies. A
+factory that takes ``**options`` checks them itself; with a ``check_options(name, options)``
+attribute it does so before any model loads (`check_reward_options`, at argument parsing):
+option names and the paths they give.
 
 A user function is the reward callable itself, ``fn(samples, prompts, metadata)``; its
 options, if any, are passed as keyword arguments on every call.
@@ -45,6 +48,8 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from genrl.errors import json_type
+
 Factory = Callable[..., Callable[..., Any]]
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -53,6 +58,8 @@ _TOTAL = "total"
 
 _REGISTRY: dict[str, Union[Factory, str]] = {}
 _RESOLVE_LOCK = threading.Lock()
+# The positional arguments of every reward call; a user function's options are its other keywords.
+_CALL_ARGUMENTS = 3
 
 
 def register_reward(name: str, factory: Union[Factory, str], *, overwrite: bool = False) -> None:
@@ -98,8 +105,9 @@ def _import_path(path: str, what: str) -> Callable[..., Any]:
     module_name, attr = _split_path(path)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"Could not import module {module_name!r} for {what}: {e}") from e
+    except (ImportError, SyntaxError) as e:  # a module that is not there, or does not parse: one sentence
+        raise ImportError(f"Could not import module {module_name!r} for {what} ({e}); it must be importable "
+                          f"from where the script runs (PYTHONPATH).") from e
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise ValueError(f"{module_name}.{attr} for {what} does not exist or is not callable.")
@@ -254,34 +262,43 @@ def load_reward_options(value: str | None) -> Any:
 
 
 def check_reward_options(options: Any, specs: Sequence[str]) -> None:
-    """Check ``--reward_options`` before any model loads: a mapping from reward names (each
-    in one of ``specs``) to a mapping of options, and, for a registered factory that lists
-    its parameters, only options it takes. Raises ValueError with one sentence."""
+    """Check the rewards of ``specs`` and ``--reward_options`` before any model loads: every
+    ``module:function`` reward imports; ``options`` maps reward names (each in one of ``specs``)
+    to mappings of options, each of which the reward takes (a registered factory's parameters or
+    its ``check_options``, which also checks the paths given; a user function's keywords).
+    Raises ValueError or ImportError with one sentence."""
     if not isinstance(options, Mapping):
         raise ValueError(
-            f"--reward_options must be a JSON object mapping reward names to their options, got a {_json_type(options)}."
+            f"--reward_options must be a JSON object mapping reward names to their options, got a {json_type(options)}."
         )
-    names = {name for spec in specs for name, _ in parse_reward_spec(spec)}
+    names = list(dict.fromkeys(name for spec in specs for name, _ in parse_reward_spec(spec)))
+    for name in names:
+        if ":" in name:
+            _import_path(name, f"reward {name!r}")
     for name, opts in options.items():
         if name not in names:
             raise ValueError(f"--reward_options names {name!r}, which is not in --reward_fn or --eval_reward_fn {sorted(names)}.")
         if not isinstance(opts, Mapping):
-            raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {_json_type(opts)}.")
-        if ":" in name:
-            continue  # a user function's options are its keyword arguments, checked when it is called
-        params = inspect.signature(_factory(name)).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            continue  # the factory checks its own options (without loading a model)
-        unknown = sorted(set(opts) - set(params) | set(opts) & {"name", "device"})
+            raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {json_type(opts)}.")
+        target = _import_path(name, f"reward {name!r}") if ":" in name else _factory(name)
+        check = getattr(target, "check_options", None)
+        if check is not None:
+            check(name, dict(opts))
+            continue
+        params = list(inspect.signature(target).parameters.values())
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            continue  # it checks its own options when it is built or called
+        # A factory is called with name= and device=; a user function with the three arguments of a reward call.
+        reserved = [p.name for p in params[:_CALL_ARGUMENTS]] if ":" in name else ["name", "device"]
+        takes = [p.name for p in params if p.name not in reserved]
+        unknown = sorted(option for option in opts if option not in takes)
         if unknown:
-            takes = sorted(set(params) - {"name", "device"}) or "none"
-            raise ValueError(f"Reward {name!r} takes no option {unknown[0]!r} (its options: {takes}).")
+            raise ValueError(unknown_option(name, unknown[0], takes))
 
 
-def _json_type(value: Any) -> str:
-    """How JSON calls the type of a parsed value (for messages)."""
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
+def unknown_option(name: str, option: str, takes: Sequence[str]) -> str:
+    """The sentence for reward ``name`` given an ``option`` it does not take (``takes``: those it does)."""
+    return f"Reward {name!r} takes no option {option!r} (its options: {sorted(takes) or 'none'})."
 
 
 def build_reward_fn(
