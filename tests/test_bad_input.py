@@ -230,3 +230,26 @@ def test_eval_refuses_a_reward_function_that_cannot_be_imported_before_any_model
         "eval_genrl.py: error: Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); "
         "it must be importable from where the script runs (PYTHONPATH).")
 
+
+@pytest.mark.parametrize("line, kind", [
+    ('{"prompt": ["a red circle", "a blue square"]}', "list"),
+    ('{"prompt": {"text": "a red circle"}}', "object"),
+    ('{"prompt": 5}', "number"),
+    ('{"prompt": true}', "boolean"),
+])
+def test_a_prompt_that_is_not_a_string_is_refused_not_trained_on_as_its_str(tmp_path, line, kind):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a red circle"}\n' + line + "\n")
+    with pytest.raises(ValueError) as failure:
+        load_prompts(str(path))
+    message = str(failure.value)
+    assert message.startswith(f"Prompt dataset {str(path)!r} record 2 has a {kind} as its 'prompt' (")
+    assert message.endswith("not text; every prompt must be a string (--prompt_column chooses the field).")
+
+
+def test_a_prompt_file_of_lists_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path, monkeypatch):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": ["a red circle"]}\n')
+    message = trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch)
+    assert message == (f"train_genrl.py: error: Prompt dataset {str(path)!r} record 1 has a list as its 'prompt' "
+                       "(['a red circle']), not text; every prompt must be a string (--prompt_column chooses the field).")
