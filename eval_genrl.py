@@ -35,7 +35,7 @@ from genrl.acceleration import (
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, end_processes, zero_init_disabled
-from genrl.errors import find_setup_error
+from genrl.errors import find_setup_error, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
@@ -302,7 +302,9 @@ def main(args):
 
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model that cannot be
-    fetched, more processes than GPUs) ends in its one sentence and exit status 1."""
+    fetched, more processes than GPUs, a reward that failed) ends in its one sentence and exit
+    status 1; where an exception lies behind it, its traceback goes to ``<output_dir>/error.log``,
+    which the sentence names."""
     args = parse_args(argv)
     hide_loading_bars()
     try:
@@ -311,7 +313,7 @@ def run(argv=None) -> None:
         reason = find_setup_error(error)
         if reason is None:
             raise
-        raise SystemExit(f"eval_genrl.py: error: {reason}") from None
+        raise SystemExit(stop_line("eval_genrl.py", reason, error, args.output_dir)) from None
 
 
 if __name__ == "__main__":

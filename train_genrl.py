@@ -41,7 +41,7 @@ from genrl.distributed import (
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
-from genrl.errors import SetupError, find_setup_error
+from genrl.errors import SetupError, find_setup_error, stop_line
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
@@ -408,9 +408,11 @@ def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict
 
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model or reward weights
-    that cannot be fetched, a learning rate that made the weights diverge) ends in its one
-    sentence and exit status 1, not in a traceback; so does a collective that timed out
-    waiting for a hung peer (the sentence names the rank and the operation)."""
+    that cannot be fetched, a reward that failed, a full disk, a learning rate that made the
+    weights diverge) ends in its one sentence and exit status 1, not in a traceback; so does a
+    collective that timed out waiting for a hung peer (the sentence names the rank and the
+    operation). Where an exception lies behind the sentence, its traceback goes to
+    ``<output_dir>/<logging_dir>/error.log``, which the sentence names."""
     args = parse_args(argv)
     hide_loading_bars()
     try:
@@ -419,7 +421,7 @@ def run(argv=None) -> None:
         reason = find_setup_error(error) or describe_timeout(error, args.collective_timeout)
         if reason is None:
             raise
-        raise SystemExit(f"train_genrl.py: error: {reason}") from None
+        raise SystemExit(stop_line("train_genrl.py", reason, error, os.path.join(args.output_dir, args.logging_dir))) from None
 
 
 if __name__ == "__main__":

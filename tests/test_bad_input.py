@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from conftest import trainer_exit_in_process
+from conftest import run_python, script_env, script_errors, trainer_exit_in_process
 
 from genrl import train_args
 from genrl.data import load_prompts
@@ -253,3 +253,93 @@ def test_a_prompt_file_of_lists_fails_the_script_before_any_model_loads(tiny_sd3
     message = trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch)
     assert message == (f"train_genrl.py: error: Prompt dataset {str(path)!r} record 1 has a list as its 'prompt' "
                        "(['a red circle']), not text; every prompt must be a string (--prompt_column chooses the field).")
+
+
+@pytest.mark.usefixtures("isolated_rewards")
+def test_complex_reward_values_are_refused_not_cut_to_their_real_part(tmp_path, monkeypatch):
+    from genrl.rewards import build_reward_fn
+
+    (tmp_path / "complex_reward.py").write_text("def rotated(samples, prompts, metadata):\n    return [1 + 2j, 3 + 0j]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as failure:
+        build_reward_fn("complex_reward:rotated")(torch.rand(2, 3, 1, 8, 8), ["a", "b"], [{}, {}])
+    assert str(failure.value) == "Reward 'complex_reward:rotated' returned complex scores ((1+2j), ...); a reward must be real numbers."
+
+
+def test_a_reward_that_fails_in_training_is_one_sentence_and_its_traceback_goes_to_the_log(tiny_sd3, prompt_file, tmp_path):
+    """The sentence on the console, the reward's own traceback (and the trainer's) in logs/error.log."""
+    (tmp_path / "failing_reward.py").write_text("def ratio(samples, prompts, metadata):\n    return [1 / 0] * len(samples)\n")
+    out = tmp_path / "out"
+    env = {**script_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{script_env()['PYTHONPATH']}"}
+    proc = run_python("train_genrl.py", args_with(tiny_sd3, prompt_file, str(out), "--reward_fn", "failing_reward:ratio",
+                                                  "--report_to", "none"), env=env)
+    log = out / "logs" / "error.log"
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert script_errors(proc.stderr) == [
+        f"train_genrl.py: error: Reward 'failing_reward:ratio' failed: ZeroDivisionError: division by zero (the traceback "
+        f"is in {log})."]
+    traceback = log.read_text()
+    assert 'failing_reward.py", line 2, in ratio' in traceback and "RewardError: Reward 'failing_reward:ratio' failed" in traceback
+
+
+@pytest.mark.usefixtures("isolated_rewards")
+def test_a_reward_out_of_memory_says_what_to_change_in_one_sentence():
+    from genrl.rewards import build_reward_fn, register_reward
+
+    def factory(name, device):
+        def reward(samples, prompts, metadata):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nSee the documentation.")
+        return reward
+
+    register_reward("greedy", factory)
+    with pytest.raises(RuntimeError) as failure:
+        build_reward_fn("greedy")(torch.rand(3, 3, 1, 8, 8), ["a"] * 3)
+    assert str(failure.value) == (
+        "Reward 'greedy' ran out of memory on a batch of 3 (OutOfMemoryError): give it a smaller batch_size in "
+        "--reward_options if it takes one, a smaller --rollout_batch_size, or another --reward_device.")
+    assert isinstance(failure.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_its_traceback_goes_to_the_log(tiny_sd3, prompt_file, tmp_path,
+                                                                                        monkeypatch):
+    """What run() makes of save_checkpoint's error (tests/test_checkpointing.py: its sentence and cause)."""
+    import errno
+
+    import train_genrl
+    from genrl.checkpointing import CheckpointSaveError
+
+    def save_fails(args):
+        os.makedirs(args.output_dir)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(args.output_dir, "optimizer.bin"))
+        except OSError as error:
+            raise CheckpointSaveError("Could not save checkpoint-2: the disk is full.") from error
+
+    monkeypatch.setattr(train_genrl, "main", save_fails)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.run(args_with(tiny_sd3, prompt_file, str(out)))
+    log = out / "logs" / "error.log"
+    assert exit_info.value.code == (
+        f"train_genrl.py: error: Could not save checkpoint-2: the disk is full (the traceback is in {log}).")
+    assert "OSError: [Errno 28] No space left on device" in log.read_text()
+
+
+def test_a_traceback_is_written_only_when_an_exception_lies_behind_the_sentence(tmp_path, monkeypatch):
+    from genrl.errors import SetupError, stop_line
+
+    alone = SetupError("Stopped at step 4.")
+    assert stop_line("train_genrl.py", alone, alone, str(tmp_path / "logs")) == "train_genrl.py: error: Stopped at step 4."
+    assert not (tmp_path / "logs").exists()
+    try:
+        try:
+            raise KeyError("checkpoint")
+        except KeyError as error:
+            raise SetupError("Could not build it.") from error
+    except SetupError as error:
+        caused = error
+    monkeypatch.setenv("RANK", "1")  # each rank of a multi-process run writes its own file
+    log = tmp_path / "logs" / "error-rank1.log"
+    assert stop_line("train_genrl.py", caused, caused, str(tmp_path / "logs")) == (
+        f"train_genrl.py: error: Could not build it (the traceback is in {log}).")
+    assert "KeyError: 'checkpoint'" in log.read_text()

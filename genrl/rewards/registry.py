@@ -48,7 +48,7 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
-from genrl.errors import json_type
+from genrl.errors import SetupError, json_type
 
 Factory = Callable[..., Callable[..., Any]]
 
@@ -60,6 +60,12 @@ _REGISTRY: dict[str, Union[Factory, str]] = {}
 _RESOLVE_LOCK = threading.Lock()
 # The positional arguments of every reward call; a user function's options are its other keywords.
 _CALL_ARGUMENTS = 3
+
+
+class RewardError(SetupError, RuntimeError):
+    """A reward could not be built or failed on a batch (its own error, out of memory, a wrong
+    number of scores, NaN, complex values): one sentence naming the reward; the reward's own
+    traceback stays in the chain (``__cause__``), which the scripts write to the run's log."""
 
 
 def register_reward(name: str, factory: Union[Factory, str], *, overwrite: bool = False) -> None:
@@ -162,28 +168,42 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return parsed
 
 
+def failure_sentence(what: str, name: str, error: BaseException, batch: int | None = None) -> str:
+    """One sentence for reward ``name`` that raised ``error`` (``what``: "Reward 'x' failed",
+    "Could not build reward 'x'"): out of memory with what to change, else the error's type and
+    the first line of its message (the rest is in its traceback)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        samples = f" on a batch of {batch}" if batch is not None else ""
+        return (f"Reward {name!r} ran out of memory{samples} ({type(error).__name__}): give it a smaller batch_size "
+                f"in --reward_options if it takes one, a smaller --rollout_batch_size, or another --reward_device.")
+    lines = str(error).strip().splitlines()
+    return f"{what}: {type(error).__name__}" + (f": {lines[0].rstrip('.')}." if lines else ".")
+
+
 def _as_scores(value: Any, name: str, n: int, allow_nan: bool) -> torch.Tensor:
     """One reward's output -> float32 CPU ``(N,)``, or an error naming the reward."""
     try:
         scores = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value)
     except Exception as e:
-        raise TypeError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
+        raise RewardError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
     if tuple(scores.shape) != (n,):
-        raise ValueError(
+        raise RewardError(
             f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample."
         )
+    if scores.is_complex():  # a cast to float would keep the real part and drop the rest silently
+        raise RewardError(f"Reward {name!r} returned complex scores ({scores[0].item()}, ...); a reward must be real numbers.")
     if scores.is_floating_point() and scores.dtype != torch.float32:  # float64 values beyond float32's range
         wide = scores.detach().to("cpu", torch.float64)
         overflow = wide.isfinite() & (wide.abs() > torch.finfo(torch.float32).max)
         if overflow.any():
-            raise ValueError(
+            raise RewardError(
                 f"Reward {name!r} returned {wide[overflow][0].item():g}, which overflows float32 (largest "
                 f"{torch.finfo(torch.float32).max:.3g}); scale the reward down."
             )
     scores = scores.detach().to("cpu", torch.float32)
     bad = scores.isinf() | (scores.isnan() & (not allow_nan))
     if bad.any():
-        raise ValueError(
+        raise RewardError(
             f"Reward {name!r} returned non-finite scores {scores.tolist()}"
             + ("." if allow_nan else " (NaN means 'not applicable' only with allow_nan=True, for evaluation).")
         )
@@ -213,8 +233,10 @@ class RewardFn:
     def _call(self, i: int, samples, prompts, metadata) -> Any:
         try:
             return self._fns[i](samples, prompts, metadata)
+        except SetupError:
+            raise  # already one sentence (a reward model rebuilt after clear_reward_models, its weights gone)
         except Exception as e:
-            raise RuntimeError(f"Reward {self.names[i]!r} failed: {type(e).__name__}: {e}") from e
+            raise RewardError(failure_sentence(f"Reward {self.names[i]!r} failed", self.names[i], e, len(samples))) from e
 
     def __call__(
         self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None
@@ -233,7 +255,7 @@ class RewardFn:
                 value = first if i == group[0] or shared else self._call(i, samples, prompts, metadata)
                 if isinstance(value, Mapping):
                     if name not in value:
-                        raise ValueError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
+                        raise RewardError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
                     value = value[name]
                 out[name] = _as_scores(value, name, n, self.allow_nan)
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
@@ -331,8 +353,10 @@ def build_reward_fn(
             factory = _factory(name)
             try:
                 fn = factory(name=name, device=device, **opts)
+            except SetupError:
+                raise  # already one sentence (weights that could not be fetched)
             except Exception as e:
-                raise RuntimeError(f"Could not build reward {name!r}: {type(e).__name__}: {e}") from e
+                raise RewardError(failure_sentence(f"Could not build reward {name!r}", name, e)) from e
             key = (factory, opts)
         fns.append(fn)
         for group, group_key in zip(groups, group_keys):
