@@ -241,13 +241,16 @@ def _summary(stats: dict) -> str:
 
 
 def main(args):
+    try:  # first: a missing or malformed prompt file fails before any model loads
+        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(f"eval_genrl.py: error: {e}")
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     accelerator = build_accelerator(output_dir=args.output_dir)
     torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation
 
     if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
         probe_attention_backend(args.attention_backend, accelerator.device, WEIGHT_DTYPES[args.mixed_precision])
-    prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
     prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn
     with zero_init_disabled():

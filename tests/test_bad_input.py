@@ -343,3 +343,16 @@ def test_a_traceback_is_written_only_when_an_exception_lies_behind_the_sentence(
     assert stop_line("train_genrl.py", caused, caused, str(tmp_path / "logs")) == (
         f"train_genrl.py: error: Could not build it (the traceback is in {log}).")
     assert "KeyError: 'checkpoint'" in log.read_text()
+
+
+def test_eval_with_a_missing_prompt_file_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch):
+    import eval_genrl
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was refused")
+
+    monkeypatch.setattr(eval_genrl, "load_model", no_model)
+    missing = str(tmp_path / "prompts.txt")
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.run(["--model", str(tmp_path / "model"), "--prompts", missing, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == f"eval_genrl.py: error: Prompt file {missing!r} does not exist."
