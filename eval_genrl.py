@@ -35,7 +35,7 @@ from genrl.acceleration import (
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
 from genrl.distributed import build_accelerator, end_processes, zero_init_disabled
-from genrl.errors import find_setup_error, stop_line
+from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
 from genrl.policies import FlowPolicy, load_policy
@@ -244,7 +244,7 @@ def main(args):
     try:  # first: a missing or malformed prompt file fails before any model loads
         prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"eval_genrl.py: error: {e}")
+        raise SystemExit(said_once(f"eval_genrl.py: error: {e}") or 1)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     accelerator = build_accelerator(output_dir=args.output_dir)
     torch.backends.cuda.matmul.allow_tf32 = False  # same numbers on every GPU generation

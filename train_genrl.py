@@ -41,7 +41,7 @@ from genrl.distributed import (
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
-from genrl.errors import SetupError, find_setup_error, stop_line
+from genrl.errors import SetupError, find_setup_error, said_once, stop_line
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
@@ -75,7 +75,7 @@ def main(args):
         if args.eval_prompt_dataset:
             eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"train_genrl.py: error: {e}")
+        raise SystemExit(said_once(f"train_genrl.py: error: {e}") or 1)
 
     # ---- Accelerator -------------------------------------------------------------------
     n_train_steps = num_trained_timesteps(args)

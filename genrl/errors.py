@@ -35,6 +35,13 @@ def find_setup_error(error: BaseException | None) -> SetupError | None:
     return None
 
 
+def said_once(line: str) -> str | None:
+    """``line`` in the first process of each machine, None in the others: a refusal that every
+    process reaches alike (one command line, the same files) is printed once under a launcher
+    (``LOCAL_RANK``), not once per process; the others exit with the same status, silently."""
+    return line if os.environ.get("LOCAL_RANK", "0") == "0" else None
+
+
 def json_type(value: Any) -> str:
     """How JSON calls the type of a parsed value (for messages): object, list, string, number,
     boolean, null; other Python types by their name."""

@@ -14,6 +14,7 @@ import os
 import tempfile
 
 from genrl.acceleration import check_attention_backend_name
+from genrl.errors import said_once
 from genrl.lr_schedule import parse_step_rules
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
@@ -93,10 +94,11 @@ def under_zero3() -> bool:
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line: the usage block (80 lines here) would bury
-    the sentence that says what to change; ``--help`` still shows it."""
+    the sentence that says what to change; ``--help`` still shows it. Under a launcher every
+    process parses the same command line: the first of each machine says it (``said_once``)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, said_once(f"{self.prog}: error: {message}\n"))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

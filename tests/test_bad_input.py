@@ -356,3 +356,38 @@ def test_eval_with_a_missing_prompt_file_is_one_sentence_before_any_model_loads(
     with pytest.raises(SystemExit) as exit_info:
         eval_genrl.run(["--model", str(tmp_path / "model"), "--prompts", missing, "--output_dir", str(tmp_path / "out")])
     assert exit_info.value.code == f"eval_genrl.py: error: Prompt file {missing!r} does not exist."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, processes", [(None, 1), ("multi_gpu", 2)])
+def test_a_refusal_under_accelerate_launch_is_said_once(tiny_sd3, prompt_file, tmp_path, config, processes):
+    """``accelerate launch --quiet`` (README "Bad input"): one process shows the sentence alone; on
+    two, every process refuses the same command line but only the first says it (the launcher
+    then adds torch's summary of the failed processes). The launcher's exit status is 1."""
+    import subprocess
+
+    from conftest import ROOT, launch_command
+
+    args = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--group_size", "3")
+    if config is None:  # the quickstart's launcher without a config file, its defaults given so that it does not list them
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"), *args]
+    else:
+        command = launch_command("train_genrl.py", args, config, processes)
+    command.insert(command.index("accelerate.commands.launch") + 1, "--quiet")
+    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    sentence = ("train_genrl.py: error: --rollout_batch_size 4 × --rollout_batches_per_epoch 2 = 8 samples per process per "
+                "epoch is not a multiple of --group_size 3, so a prompt's group would be split; use e.g. --rollout_batch_size 6.")
+    assert proc.returncode == 1 and script_errors(proc.stderr) == [sentence], proc.stderr[-3000:]
+    if config is None:
+        assert proc.stderr.strip().splitlines() == [sentence]
+
+
+def test_a_prompt_file_refusal_is_left_to_the_first_process_of_the_machine(tiny_sd3, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        train_args.parse_args(args_with(tiny_sd3, str(path), str(tmp_path / "out"), "--group_size", "3"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
