@@ -34,7 +34,7 @@ from genrl.acceleration import (
 )
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
-from genrl.distributed import build_accelerator, end_processes, zero_init_disabled
+from genrl.distributed import build_accelerator, check_mixed_precision, end_processes, zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
@@ -133,6 +133,7 @@ def parse_args(input_args=None):
             parser.error(str(error))
     try:
         check_reward_options({}, [args.reward_fn])  # unknown names, module:function rewards that do not import
+        check_mixed_precision(args.mixed_precision)
     except (ValueError, ImportError) as error:
         parser.error(str(error))
     return args

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, parse_flag_from_env
 
 from genrl.errors import SetupError
 from genrl.zero_init import full_numel, full_shape
@@ -52,7 +52,7 @@ def build_accelerator(
     waiting forever (see :func:`describe_timeout`).
     """
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
+    launched = _launched()
     cpu_only = launched and not torch.cuda.is_available()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     shortage = gpu_shortage(local_processes, torch.cuda.device_count()) if launched else None
@@ -93,6 +93,37 @@ def build_accelerator(
         # shared-memory all-reduce (unused by training) of 66 MB per rank.
         os.environ.setdefault("LOCAL_SIZE", str(local_processes))
     return accelerator
+
+
+def _launched() -> bool:
+    """Whether this process belongs to a process group: several processes, or DeepSpeed (which
+    makes one of a single process too)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+
+
+def runs_on_cpu() -> bool:
+    """Whether ``build_accelerator`` will put this process on the CPU, known before it is built
+    so that settings that need an accelerator are refused at parse time: the launcher asked for
+    the CPU (``--cpu``), a process group without CUDA (gloo, as ``build_accelerator`` sets up),
+    or no accelerator torch can use."""
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):
+        return True
+    if _launched():
+        return not torch.cuda.is_available()
+    return not torch.accelerator.is_available()
+
+
+def check_mixed_precision(precision: str | None) -> None:
+    """fp16 on the CPU is refused (ValueError, one sentence): torch has no fast float16 kernels
+    there (a matrix product about 20 times slower than in float32 on an AVX-512 CPU) and it
+    changes the scores; bf16 is the CPU's reduced precision. ``precision``: the flag's value, else
+    what ``accelerate launch --mixed_precision`` exported."""
+    precision = precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "fp16" and runs_on_cpu():
+        raise ValueError(
+            "--mixed_precision fp16 is for GPUs: on the CPU it runs the models in float16, far slower than in float32 "
+            "and with other scores; use --mixed_precision bf16 (the CPU's fast reduced precision) or no."
+        )
 
 
 def deepspeed_shm_buffer_path(rank: int) -> str:

@@ -391,3 +391,27 @@ def test_a_prompt_file_refusal_is_left_to_the_first_process_of_the_machine(tiny_
     with pytest.raises(SystemExit) as exit_info:
         train_args.parse_args(args_with(tiny_sd3, str(path), str(tmp_path / "out"), "--group_size", "3"))
     assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+FP16_ON_CPU = ("--mixed_precision fp16 is for GPUs: on the CPU it runs the models in float16, far slower than in float32 "
+               "and with other scores; use --mixed_precision bf16 (the CPU's fast reduced precision) or no.")
+
+
+@pytest.mark.parametrize("flag, exported", [("fp16", None), (None, "fp16")])
+def test_fp16_on_the_cpu_is_refused_when_parsed(tiny_sd3, prompt_file, tmp_path, capsys, monkeypatch, flag, exported):
+    """Given as the script's flag or by `accelerate launch --mixed_precision fp16` (exported); bf16 is fine."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # the CPU, as `accelerate launch --cpu` asks, on any machine
+    if exported:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", exported)
+    extra = ["--mixed_precision", flag] if flag else []
+    assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == FP16_ON_CPU
+    assert train_args.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--mixed_precision", "bf16"))
+
+
+def test_eval_refuses_fp16_on_the_cpu(tmp_path, capsys, monkeypatch):
+    import eval_genrl
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.parse_args(["--model", str(tmp_path / "model"), "--mixed_precision", "fp16"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"eval_genrl.py: error: {FP16_ON_CPU}"
