@@ -126,6 +126,37 @@ def check_mixed_precision(precision: str | None) -> None:
         )
 
 
+def _launcher_environment() -> list[bytes] | None:
+    """The environment this process's parent (the launcher) started with, as ``NAME=value``
+    entries (Linux ``/proc``), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def check_launched_processes() -> None:
+    """``accelerate launch`` asked for several processes that started this one alone: a
+    ValueError of one sentence. Without a multi-process config the launcher starts several
+    processes only on 2 or more GPUs; else it runs the script once, with the MASTER_ADDR it set
+    for the processes it did not start and no WORLD_SIZE. A MASTER_ADDR the launcher itself
+    inherited (a cluster job's) says nothing: the launcher's own environment tells them apart,
+    and where it cannot be read nothing is said."""
+    env = os.environ
+    if "ACCELERATE_DYNAMO_BACKEND" not in env or "WORLD_SIZE" in env or "MASTER_ADDR" not in env:
+        return  # not accelerate launch's single-process launcher, or no sign of more processes
+    inherited = _launcher_environment()
+    if inherited is None or any(entry.startswith(b"MASTER_ADDR=") for entry in inherited):
+        return
+    gpus = torch.cuda.device_count()
+    raise ValueError(
+        f"accelerate launch was asked for more than one process but started this one alone (without a multi-process "
+        f"config file it starts several only on 2 or more GPUs, and this machine shows {gpus}): add --config_file "
+        f"accelerate_configs/multi_gpu.yaml to run them (on the CPU over gloo), or launch one process."
+    )
+
+
 def deepspeed_shm_buffer_path(rank: int) -> str:
     """The file of DeepSpeed's CPU shared-memory all-reduce buffer of ``rank`` (its shm.cpp:
     ``deepspeed_allreduce_buffer_<uid>_<MASTER_ADDR>_<MASTER_PORT>_<rank>`` in /dev/shm). The

@@ -14,7 +14,7 @@ import os
 import tempfile
 
 from genrl.acceleration import check_attention_backend_name
-from genrl.distributed import check_mixed_precision
+from genrl.distributed import check_launched_processes, check_mixed_precision
 from genrl.errors import said_once
 from genrl.lr_schedule import parse_step_rules
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
@@ -413,6 +413,7 @@ def validate_args(args) -> None:
     if args.resolution is not None:
         args.height = args.height or args.resolution
         args.width = args.width or args.resolution
+    check_launched_processes()  # before the sizes: they are checked for the processes that run
     check_mixed_precision(args.mixed_precision)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))
     check_batch_sizes(

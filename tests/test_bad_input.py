@@ -415,3 +415,37 @@ def test_eval_refuses_fp16_on_the_cpu(tmp_path, capsys, monkeypatch):
     with pytest.raises(SystemExit) as exit_info:
         eval_genrl.parse_args(["--model", str(tmp_path / "model"), "--mixed_precision", "fp16"])
     assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"eval_genrl.py: error: {FP16_ON_CPU}"
+
+
+def test_a_master_address_the_launcher_inherited_is_no_sign_of_missing_processes(tiny_sd3, prompt_file, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """accelerate launch sets MASTER_ADDR for the processes it was asked for; a cluster job may have set it already."""
+    from genrl import distributed
+
+    for name, value in {"ACCELERATE_DYNAMO_BACKEND": "NO", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"))
+    monkeypatch.setattr(distributed, "_launcher_environment", lambda: [b"PATH=/usr/bin", b"MASTER_ADDR=10.0.0.1"])
+    train_args.parse_args(argv)
+    monkeypatch.setattr(distributed, "_launcher_environment", lambda: [b"PATH=/usr/bin"])
+    assert parse_error(capsys, argv).startswith("accelerate launch was asked for more than one process but started this one alone")
+
+
+@pytest.mark.slow
+def test_accelerate_launch_num_processes_3_without_a_config_says_it_runs_one(tiny_sd3, prompt_file, tmp_path):
+    """The launcher without a config starts several processes only on 2+ GPUs: here it would train
+    as one process, silently, and the script says so instead."""
+    import subprocess
+
+    from conftest import ROOT
+
+    command = ["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--num_processes",
+               "3", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               os.path.join(ROOT, "train_genrl.py"), *args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--num_epochs", "1")]
+    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "train_genrl.py: error: accelerate launch was asked for more than one process but started this one alone "
+        "(without a multi-process config file it starts several only on 2 or more GPUs, and this machine shows 0): add "
+        "--config_file accelerate_configs/multi_gpu.yaml to run them (on the CPU over gloo), or launch one process."
+    ], proc.stderr[-3000:]
