@@ -22,7 +22,7 @@ import json
 import logging
 import os
 
-from genrl.console import hide_loading_bars, silence_known_noise
+from genrl.console import close_progress_bars, hide_loading_bars, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
@@ -317,6 +317,7 @@ def run(argv=None) -> None:
         reason = find_setup_error(error)
         if reason is None:
             raise
+        close_progress_bars()
         raise SystemExit(stop_line("eval_genrl.py", reason, error, args.output_dir)) from None
 
 

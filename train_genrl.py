@@ -26,7 +26,7 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.console import hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+from genrl.console import close_progress_bars, hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
@@ -421,6 +421,7 @@ def run(argv=None) -> None:
         reason = find_setup_error(error) or describe_timeout(error, args.collective_timeout)
         if reason is None:
             raise
+        close_progress_bars()
         raise SystemExit(stop_line("train_genrl.py", reason, error, os.path.join(args.output_dir, args.logging_dir))) from None
 
 
