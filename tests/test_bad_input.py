@@ -1,6 +1,9 @@
-"""Bad values end with one sentence naming them, before any model loads where the input allows
-(issue 9.7): reward options, sampling without a stochastic step, an unwritable output folder,
-malformed prompt files, records without a prompt, reward values beyond float32."""
+"""Bad values end with one sentence naming them, before any model loads where the input allows:
+reward options (names and paths), reward functions that do not import, sampling without a
+stochastic step, an unwritable output folder, malformed prompt files, records without a prompt or
+with one that is not a string, fp16 on the CPU, processes the launcher did not start, reward
+values beyond float32 or complex; failures during a run (a reward, a full disk) are one sentence
+too, their tracebacks in the log folder; under accelerate launch a refusal is said once."""
 
 import logging
 import os
