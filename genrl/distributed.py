@@ -110,7 +110,8 @@ def runs_on_cpu() -> bool:
         return True
     if _launched():
         return not torch.cuda.is_available()
-    return not torch.accelerator.is_available()
+    devices = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, MPS, XPU and others alike
+    return not (devices.is_available() if devices is not None else torch.cuda.is_available())
 
 
 def check_mixed_precision(precision: str | None) -> None:
