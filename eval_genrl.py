@@ -23,7 +23,7 @@ import logging
 import os
 from contextlib import ExitStack
 
-from genrl.console import hide_loading_bars, silence_known_noise
+from genrl.console import close_progress_bars, hide_loading_bars, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
@@ -35,13 +35,13 @@ from genrl.acceleration import (
 )
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.data import load_prompts
-from genrl.distributed import build_accelerator, end_processes, zero_init_disabled
-from genrl.errors import find_setup_error
+from genrl.distributed import build_accelerator, check_mixed_precision, end_processes, zero_init_disabled
+from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
 from genrl.evaluation import evaluate
 from genrl.output_lock import lock_output_dir
 from genrl.policies import FlowPolicy, load_policy
-from genrl.rewards import build_reward_fn
+from genrl.rewards import build_reward_fn, check_reward_options
 from genrl.rollout import SamplingConfig
 from genrl.sde import ODE_SOLVERS
 
@@ -53,7 +53,7 @@ WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloa
 
 
 def parse_args(input_args=None):
-    parser = argparse.ArgumentParser(description="Deterministic, bounded evaluation of a genrl model.")
+    parser = argparse.ArgumentParser(prog="eval_genrl.py", description="Deterministic, bounded evaluation of a genrl model.")
     parser.add_argument(
         "--model", "--checkpoint", "--pretrained_model_name_or_path", dest="model", type=str, required=True,
         help="A base diffusers pipeline (folder or Hub id), a genrl export (output_dir), a checkpoint-<step> "
@@ -133,6 +133,11 @@ def parse_args(input_args=None):
             check_attention_backend_name(args.attention_backend)
         except ValueError as error:
             parser.error(str(error))
+    try:
+        check_reward_options({}, [args.reward_fn])  # unknown names, module:function rewards that do not import
+        check_mixed_precision(args.mixed_precision)
+    except (ValueError, ImportError) as error:
+        parser.error(str(error))
     return args
 
 
@@ -241,6 +246,10 @@ def _summary(stats: dict) -> str:
 def main(args, held: ExitStack | None = None):
     """The evaluation; ``held`` keeps the output folder's lock until the caller closes it, else
     until the process ends."""
+    try:  # first: a missing or malformed prompt file fails before any model loads
+        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
+    except (ValueError, FileNotFoundError) as e:
+        raise SystemExit(said_once(f"eval_genrl.py: error: {e}") or 1)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     accelerator = build_accelerator(output_dir=args.output_dir)
     # Two evaluations into one folder would leave one's metrics.json beside the other's samples
@@ -252,7 +261,6 @@ def main(args, held: ExitStack | None = None):
 
     if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
         probe_attention_backend(args.attention_backend, accelerator.device, WEIGHT_DTYPES[args.mixed_precision])
-    prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
     prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn
     with zero_init_disabled():
@@ -307,7 +315,9 @@ def main(args, held: ExitStack | None = None):
 
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model that cannot be
-    fetched, more processes than GPUs) ends in its one sentence and exit status 1."""
+    fetched, more processes than GPUs, a reward that failed) ends in its one sentence and exit
+    status 1; where an exception lies behind it, its traceback goes to ``<output_dir>/error.log``,
+    which the sentence names."""
     args = parse_args(argv)
     hide_loading_bars()
     try:
@@ -317,7 +327,8 @@ def run(argv=None) -> None:
         reason = find_setup_error(error)
         if reason is None:
             raise
-        raise SystemExit(f"eval_genrl.py: error: {reason}") from None
+        close_progress_bars()
+        raise SystemExit(stop_line("eval_genrl.py", reason, error, args.output_dir)) from None
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.console import hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+from genrl.console import close_progress_bars, hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
@@ -42,7 +42,7 @@ from genrl.distributed import (
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
-from genrl.errors import SetupError, find_setup_error
+from genrl.errors import SetupError, find_setup_error, said_once, stop_line
 from genrl.experience import collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
@@ -81,7 +81,7 @@ def main(args, held: ExitStack | None = None):
         if args.eval_prompt_dataset:
             eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
     except (ValueError, FileNotFoundError) as e:
-        raise SystemExit(f"train_genrl.py: error: {e}")
+        raise SystemExit(said_once(f"train_genrl.py: error: {e}") or 1)
 
     # ---- Accelerator -------------------------------------------------------------------
     n_train_steps = num_trained_timesteps(args)
@@ -470,9 +470,11 @@ def publish_export(args, run_config: dict, metrics_path: str, *, last_eval: dict
 
 def run(argv=None) -> None:
     """The command line: a problem the user fixes with one change (a model or reward weights
-    that cannot be fetched, a learning rate that made the weights diverge) ends in its one
-    sentence and exit status 1, not in a traceback; so does a collective that timed out
-    waiting for a hung peer (the sentence names the rank and the operation)."""
+    that cannot be fetched, a reward that failed, a full disk, a learning rate that made the
+    weights diverge) ends in its one sentence and exit status 1, not in a traceback; so does a
+    collective that timed out waiting for a hung peer (the sentence names the rank and the
+    operation). Where an exception lies behind the sentence, its traceback goes to
+    ``<output_dir>/<logging_dir>/error.log``, which the sentence names."""
     args = parse_args(argv)
     hide_loading_bars()
     try:
@@ -483,7 +485,8 @@ def run(argv=None) -> None:
         reason = find_setup_error(error) or describe_timeout(error, args.collective_timeout)
         if reason is None:
             raise
-        raise SystemExit(f"train_genrl.py: error: {reason}") from None
+        close_progress_bars()
+        raise SystemExit(stop_line("train_genrl.py", reason, error, os.path.join(args.output_dir, args.logging_dir))) from None
 
 
 if __name__ == "__main__":

@@ -269,8 +269,9 @@ def prune_checkpoints(output_dir: str, total_limit: int | None, keep: str | None
         shutil.rmtree(path, ignore_errors=True)
 
 
-class CheckpointSaveError(RuntimeError):
-    """Saving a checkpoint failed; its ``.tmp`` was removed and the older checkpoints are intact."""
+class CheckpointSaveError(SetupError, RuntimeError):
+    """Saving a checkpoint failed (a full disk, a write error); its ``.tmp`` was removed and the
+    older checkpoints are intact. One sentence for the console, the OS's error in its chain."""
 
 
 # Write errors that mean "no room left" rather than a broken disk or path.

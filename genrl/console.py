@@ -78,6 +78,15 @@ def hide_loading_bars() -> None:
     transformers_logging.disable_progress_bar()
 
 
+def close_progress_bars() -> None:
+    """Close the progress bars a stopped run left open, so that the line printed next (its one
+    sentence) starts a line of its own instead of following the bar's last state."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):  # tqdm's set of the bars not closed yet
+        bar.close()
+
+
 def planned_steps(
     *,
     num_epochs: int,

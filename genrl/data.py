@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 
 import datasets
 
+from genrl.errors import json_type
+
 logger = logging.getLogger(__name__)
 
 
@@ -97,12 +99,17 @@ def load_prompts(source: str, *, split: str = "train", prompt_column: str = "pro
             f"(choose one with --prompt_column)."
         )
     prompts, metadata, dropped = [], [], 0
-    for record in ds:
+    for number, record in enumerate(ds, start=1):
         prompt = record[column]
-        if prompt is None or not str(prompt).strip():
+        if prompt is not None and not isinstance(prompt, str):  # str() of it would be sampled and trained on
+            raise ValueError(
+                f"Prompt dataset {source!r} record {number} has a {json_type(prompt)} as its {column!r} ({prompt!r:.60}), "
+                f"not text; every prompt must be a string (--prompt_column chooses the field)."
+            )
+        if prompt is None or not prompt.strip():
             dropped += 1
             continue
-        prompts.append(str(prompt).strip())
+        prompts.append(prompt.strip())
         metadata.append({k: v for k, v in record.items() if k != column})
     if not prompts:
         raise ValueError(f"The prompt set {source!r} (split {split!r}) is empty.")

@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration
+from accelerate.utils import InitProcessGroupKwargs, ProjectConfiguration, parse_flag_from_env
 
 from genrl.errors import SetupError
 from genrl.zero_init import full_numel, full_shape
@@ -53,7 +53,7 @@ def build_accelerator(
     runs first.
     """
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
-    launched = int(os.environ.get("WORLD_SIZE", "1")) > 1 or deepspeed
+    launched = _launched()
     cpu_only = launched and not torch.cuda.is_available()
     local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
     shortage = gpu_shortage(local_processes, torch.cuda.device_count()) if launched else None
@@ -99,6 +99,69 @@ def prepare_deepspeed_start(*, cpu_only: bool, local_processes: int) -> None:
         os.environ.setdefault("LOCAL_SIZE", str(local_processes))
     # The config as Accelerate will read it (the launch's variables, or its DeepSpeed JSON).
     check_build_locks(DeepSpeedPlugin().deepspeed_config.get("zero_optimization", {}))
+
+
+def _launched() -> bool:
+    """Whether this process belongs to a process group: several processes, or DeepSpeed (which
+    makes one of a single process too)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true"
+
+
+def runs_on_cpu() -> bool:
+    """Whether ``build_accelerator`` will put this process on the CPU, known before it is built
+    so that settings that need an accelerator are refused at parse time: the launcher asked for
+    the CPU (``--cpu``), a process group without CUDA (gloo, as ``build_accelerator`` sets up),
+    or no accelerator torch can use."""
+    if parse_flag_from_env("ACCELERATE_USE_CPU"):
+        return True
+    if _launched():
+        return not torch.cuda.is_available()
+    devices = getattr(torch, "accelerator", None)  # torch >= 2.6: CUDA, MPS, XPU and others alike
+    return not (devices.is_available() if devices is not None else torch.cuda.is_available())
+
+
+def check_mixed_precision(precision: str | None) -> None:
+    """fp16 on the CPU is refused (ValueError, one sentence): torch has no fast float16 kernels
+    there (a matrix product about 20 times slower than in float32 on an AVX-512 CPU) and it
+    changes the scores; bf16 is the CPU's reduced precision. ``precision``: the flag's value, else
+    what ``accelerate launch --mixed_precision`` exported."""
+    precision = precision or os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if precision == "fp16" and runs_on_cpu():
+        raise ValueError(
+            "--mixed_precision fp16 is for GPUs: on the CPU it runs the models in float16, far slower than in float32 "
+            "and with other scores; use --mixed_precision bf16 (the CPU's fast reduced precision) or no."
+        )
+
+
+def _launcher_environment() -> list[bytes] | None:
+    """The environment this process's parent (the launcher) started with, as ``NAME=value``
+    entries (Linux ``/proc``), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{os.getppid()}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return None
+
+
+def check_launched_processes() -> None:
+    """``accelerate launch`` asked for several processes that started this one alone: a
+    ValueError of one sentence. Without a multi-process config the launcher starts several
+    processes only on 2 or more GPUs; else it runs the script once, with the MASTER_ADDR it set
+    for the processes it did not start and no WORLD_SIZE. A MASTER_ADDR the launcher itself
+    inherited (a cluster job's) says nothing: the launcher's own environment tells them apart,
+    and where it cannot be read nothing is said."""
+    env = os.environ
+    if "ACCELERATE_DYNAMO_BACKEND" not in env or "WORLD_SIZE" in env or "MASTER_ADDR" not in env:
+        return  # not accelerate launch's single-process launcher, or no sign of more processes
+    inherited = _launcher_environment()
+    if inherited is None or any(entry.startswith(b"MASTER_ADDR=") for entry in inherited):
+        return
+    gpus = torch.cuda.device_count()
+    raise ValueError(
+        f"accelerate launch was asked for more than one process but started this one alone (without a multi-process "
+        f"config file it starts several only on 2 or more GPUs, and this machine shows {gpus}): add --config_file "
+        f"accelerate_configs/multi_gpu.yaml to run them (on the CPU over gloo), or launch one process."
+    )
 
 
 def cpu_threads_per_process(requested: int, cores: int, local_processes: int) -> int:

@@ -14,6 +14,8 @@ import os
 import tempfile
 
 from genrl.acceleration import check_attention_backend_name
+from genrl.distributed import check_launched_processes, check_mixed_precision
+from genrl.errors import said_once
 from genrl.lr_schedule import parse_step_rules
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
@@ -93,10 +95,11 @@ def under_zero3() -> bool:
 
 class OneLineErrorParser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line: the usage block (80 lines here) would bury
-    the sentence that says what to change; ``--help`` still shows it."""
+    the sentence that says what to change; ``--help`` still shows it. Under a launcher every
+    process parses the same command line: the first of each machine says it (``said_once``)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        self.exit(2, said_once(f"{self.prog}: error: {message}\n"))
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -387,7 +390,7 @@ def parse_args(argv=None):
     args.objective = args.objective or "grpo"
     try:
         validate_args(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, ImportError) as e:
         parser.error(str(e))  # one line (OneLineErrorParser), exit status 2
     return args
 
@@ -405,10 +408,13 @@ def validate_args(args) -> None:
     parse_reward_spec(args.reward_fn)  # unknown names fail here, listing the known ones
     args.eval_reward_fn = args.eval_reward_fn or args.reward_fn
     parse_reward_spec(args.eval_reward_fn)
+    # Also imports every module:function reward and checks the paths the options name.
     check_reward_options(load_reward_options(args.reward_options), [args.reward_fn, args.eval_reward_fn])
     if args.resolution is not None:
         args.height = args.height or args.resolution
         args.width = args.width or args.resolution
+    check_launched_processes()  # before the sizes: they are checked for the processes that run
+    check_mixed_precision(args.mixed_precision)
     num_processes = int(os.environ.get("WORLD_SIZE", "1"))
     check_batch_sizes(
         group_size=args.group_size,

@@ -1,14 +1,18 @@
-"""Bad values end with one sentence naming them, before any model loads where the input allows
-(issue 9.7): reward options, sampling without a stochastic step, an unwritable output folder,
-malformed prompt files, records without a prompt, reward values beyond float32."""
+"""Bad values end with one sentence naming them, before any model loads where the input allows:
+reward options (names and paths), reward functions that do not import, sampling without a
+stochastic step, an unwritable output folder, malformed prompt files, records without a prompt or
+with one that is not a string, fp16 on the CPU, processes the launcher did not start, reward
+values beyond float32 or complex; failures during a run (a reward, a full disk) are one sentence
+too, their tracebacks in the log folder; under accelerate launch a refusal is said once."""
 
 import logging
 import os
+import sys
 
 import pytest
 import torch
 
-from conftest import trainer_exit_in_process
+from conftest import run_python, script_env, script_errors, trainer_exit_in_process
 
 from genrl import train_args
 from genrl.data import load_prompts
@@ -147,3 +151,306 @@ def test_a_float64_reward_beyond_float32_is_named_as_an_overflow(tmp_path, monke
         reward(torch.rand(2, 3, 1, 8, 8), ["a", "b"], [{}, {}])
     assert "Reward 'huge_reward:huge' returned 1e+39, which overflows float32 (largest 3.4e+38)" in str(failure.value)
     assert "inf" not in str(failure.value)
+
+
+# The README's example of local reward weights, on a machine that has none of them.
+README_HPSV3 = '{"hpsv3": {"checkpoint": "/models/HPSv3/HPSv3.safetensors", "base_model": "/models/Qwen2-VL-7B-Instruct"}}'
+
+
+@pytest.mark.parametrize("reward_fn, options, expected", [
+    ("hpsv3", '{"hpsv3": {"chekpoint": "MizzenAI/HPSv3"}}',
+     "Reward 'hpsv3' takes no option 'chekpoint' (its options: ['attn_implementation', 'base_model', 'batch_size', "
+     "'checkpoint', 'dtype', 'lora_alpha', 'on_meta', 'pixels', 'template_path'])."),
+    ("hpsv3", README_HPSV3,
+     "Reward 'hpsv3' option 'checkpoint': '/models/HPSv3/HPSv3.safetensors' does not exist (nor is it a Hub repo id "
+     "like 'org/name')."),
+    ("hpsv3", '{"hpsv3": {"checkpoint": "MizzenAI/HPSv3", "base_model": "./Qwen2-VL-7B-Instruct"}}',
+     "Reward 'hpsv3' option 'base_model': './Qwen2-VL-7B-Instruct' does not exist (nor is it a Hub repo id like 'org/name')."),
+    ("videoalign_mq", '{"videoalign_mq": {"template_path": "KwaiVGI/prompt_template.json"}}',
+     "Reward 'videoalign_mq' option 'template_path': 'KwaiVGI/prompt_template.json' does not exist."),
+    ("pickscore", '{"pickscore": {"processor": 224}}', "Reward 'pickscore' option 'processor': 224 must be a path or a Hub repo id, not a number."),
+    ("toy_geneval", '{"toy_geneval": {"threshold": 0.5}}', "Reward 'toy_geneval' takes no option 'threshold' (its options: ['min_area_fraction'])."),
+])
+def test_options_a_reward_model_does_not_take_or_paths_that_are_not_there_are_refused_when_parsed(
+        tiny_sd3, prompt_file, tmp_path, capsys, reward_fn, options, expected):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", options)
+    argv[argv.index("--reward_fn") + 1] = reward_fn
+    assert parse_error(capsys, argv) == expected
+
+
+def test_reward_model_paths_that_exist_or_hub_ids_pass_the_parse(tiny_sd3, prompt_file, tmp_path):
+    (tmp_path / "HPSv3.safetensors").write_bytes(b"")
+    (tmp_path / "template.json").write_text("{}")
+    options = ('{"hpsv3": {"checkpoint": "%s", "base_model": "%s", "template_path": "%s"}, "pickscore": {"checkpoint": '
+               '"yuvalkirstain/PickScore_v1"}}' % (tmp_path / "HPSv3.safetensors", tmp_path, tmp_path / "template.json"))
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", options,
+                     "--eval_reward_fn", "hpsv3,pickscore")
+    argv[argv.index("--reward_fn") + 1] = "hpsv3"
+    train_args.parse_args(argv)  # nothing fetched or loaded: a Hub id is resolved when the model loads
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """An importable module ``bad_input_rewards`` with ``scaled(samples, prompts, metadata, scale=1.0)``."""
+    (tmp_path / "bad_input_rewards.py").write_text(
+        "import torch\ndef scaled(samples, prompts, metadata, scale=1.0):\n    return torch.zeros(len(samples)) + scale\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield "bad_input_rewards"
+    sys.modules.pop("bad_input_rewards", None)
+
+
+@pytest.mark.parametrize("flag, spec, options, expected", [
+    ("--reward_fn", "nosuchmod:fn", None,
+     "Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); it must be importable "
+     "from where the script runs (PYTHONPATH)."),
+    ("--eval_reward_fn", "nosuchmod:fn", None,
+     "Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); it must be importable "
+     "from where the script runs (PYTHONPATH)."),
+    ("--reward_fn", "bad_input_rewards:nosuchfn", None,
+     "bad_input_rewards.nosuchfn for reward 'bad_input_rewards:nosuchfn' does not exist or is not callable."),
+    ("--reward_fn", "bad_input_rewards:scaled", '{"bad_input_rewards:scaled": {"sclae": 2}}',
+     "Reward 'bad_input_rewards:scaled' takes no option 'sclae' (its options: ['scale'])."),
+])
+def test_a_reward_function_that_cannot_be_imported_or_given_its_options_is_refused_when_parsed(
+        tiny_sd3, prompt_file, tmp_path, capsys, user_rewards, flag, spec, options, expected):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), flag, spec, *(["--reward_options", options] if options else []))
+    assert parse_error(capsys, argv) == expected
+
+
+def test_a_reward_function_and_its_options_pass_the_parse(tiny_sd3, prompt_file, tmp_path, user_rewards):
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--reward_options", '{"bad_input_rewards:scaled": {"scale": 2}}')
+    argv[argv.index("--reward_fn") + 1] = "bad_input_rewards:scaled"
+    assert train_args.parse_args(argv).reward_fn == "bad_input_rewards:scaled"
+
+
+def test_eval_refuses_a_reward_function_that_cannot_be_imported_before_any_model_loads(tmp_path, capsys):
+    import eval_genrl
+
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.parse_args(["--model", str(tmp_path / "no-model"), "--reward_fn", "nosuchmod:fn"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "eval_genrl.py: error: Could not import module 'nosuchmod' for reward 'nosuchmod:fn' (No module named 'nosuchmod'); "
+        "it must be importable from where the script runs (PYTHONPATH).")
+
+
+@pytest.mark.parametrize("line, kind", [
+    ('{"prompt": ["a red circle", "a blue square"]}', "list"),
+    ('{"prompt": {"text": "a red circle"}}', "object"),
+    ('{"prompt": 5}', "number"),
+    ('{"prompt": true}', "boolean"),
+])
+def test_a_prompt_that_is_not_a_string_is_refused_not_trained_on_as_its_str(tmp_path, line, kind):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "a red circle"}\n' + line + "\n")
+    with pytest.raises(ValueError) as failure:
+        load_prompts(str(path))
+    message = str(failure.value)
+    assert message.startswith(f"Prompt dataset {str(path)!r} record 2 has a {kind} as its 'prompt' (")
+    assert message.endswith("not text; every prompt must be a string (--prompt_column chooses the field).")
+
+
+def test_a_prompt_file_of_lists_fails_the_script_before_any_model_loads(tiny_sd3, tmp_path, monkeypatch):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": ["a red circle"]}\n')
+    message = trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch)
+    assert message == (f"train_genrl.py: error: Prompt dataset {str(path)!r} record 1 has a list as its 'prompt' "
+                       "(['a red circle']), not text; every prompt must be a string (--prompt_column chooses the field).")
+
+
+@pytest.mark.usefixtures("isolated_rewards")
+def test_complex_reward_values_are_refused_not_cut_to_their_real_part(tmp_path, monkeypatch):
+    from genrl.rewards import build_reward_fn
+
+    (tmp_path / "complex_reward.py").write_text("def rotated(samples, prompts, metadata):\n    return [1 + 2j, 3 + 0j]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as failure:
+        build_reward_fn("complex_reward:rotated")(torch.rand(2, 3, 1, 8, 8), ["a", "b"], [{}, {}])
+    assert str(failure.value) == "Reward 'complex_reward:rotated' returned complex scores ((1+2j), ...); a reward must be real numbers."
+
+
+def test_a_reward_that_fails_in_training_is_one_sentence_and_its_traceback_goes_to_the_log(tiny_sd3, prompt_file, tmp_path):
+    """The sentence on the console, the reward's own traceback (and the trainer's) in logs/error.log."""
+    (tmp_path / "failing_reward.py").write_text("def ratio(samples, prompts, metadata):\n    return [1 / 0] * len(samples)\n")
+    out = tmp_path / "out"
+    env = {**script_env(), "PYTHONPATH": f"{tmp_path}{os.pathsep}{script_env()['PYTHONPATH']}"}
+    proc = run_python("train_genrl.py", args_with(tiny_sd3, prompt_file, str(out), "--reward_fn", "failing_reward:ratio",
+                                                  "--report_to", "none"), env=env, text=False)
+    stderr = proc.stderr.decode()
+    log = out / "logs" / "error.log"
+    assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+    # A line of its own, not after the progress bar's last state (split as a terminal shows carriage returns).
+    assert stderr.strip().split("\n")[-1] == (
+        f"train_genrl.py: error: Reward 'failing_reward:ratio' failed: ZeroDivisionError: division by zero (the traceback "
+        f"is in {log}).")
+    traceback = log.read_text()
+    assert 'failing_reward.py", line 2, in ratio' in traceback and "RewardError: Reward 'failing_reward:ratio' failed" in traceback
+
+
+@pytest.mark.usefixtures("isolated_rewards")
+def test_a_reward_out_of_memory_says_what_to_change_in_one_sentence():
+    from genrl.rewards import build_reward_fn, register_reward
+
+    def factory(name, device):
+        def reward(samples, prompts, metadata):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB.\nSee the documentation.")
+        return reward
+
+    register_reward("greedy", factory)
+    with pytest.raises(RuntimeError) as failure:
+        build_reward_fn("greedy")(torch.rand(3, 3, 1, 8, 8), ["a"] * 3)
+    assert str(failure.value) == (
+        "Reward 'greedy' ran out of memory on a batch of 3 (OutOfMemoryError): give it a smaller batch_size in "
+        "--reward_options if it takes one, a smaller --rollout_batch_size, or another --reward_device.")
+    assert isinstance(failure.value.__cause__, torch.OutOfMemoryError)
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_its_traceback_goes_to_the_log(tiny_sd3, prompt_file, tmp_path,
+                                                                                        monkeypatch):
+    """What run() makes of save_checkpoint's error (tests/test_checkpointing.py: its sentence and cause)."""
+    import errno
+
+    import train_genrl
+    from genrl.checkpointing import CheckpointSaveError
+
+    def save_fails(args, held=None):
+        os.makedirs(args.output_dir)
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(args.output_dir, "optimizer.bin"))
+        except OSError as error:
+            raise CheckpointSaveError("Could not save checkpoint-2: the disk is full.") from error
+
+    monkeypatch.setattr(train_genrl, "main", save_fails)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        train_genrl.run(args_with(tiny_sd3, prompt_file, str(out)))
+    log = out / "logs" / "error.log"
+    assert exit_info.value.code == (
+        f"train_genrl.py: error: Could not save checkpoint-2: the disk is full (the traceback is in {log}).")
+    assert "OSError: [Errno 28] No space left on device" in log.read_text()
+
+
+def test_a_traceback_is_written_only_when_an_exception_lies_behind_the_sentence(tmp_path, monkeypatch):
+    from genrl.errors import SetupError, stop_line
+
+    alone = SetupError("Stopped at step 4.")
+    assert stop_line("train_genrl.py", alone, alone, str(tmp_path / "logs")) == "train_genrl.py: error: Stopped at step 4."
+    assert not (tmp_path / "logs").exists()
+    try:
+        try:
+            raise KeyError("checkpoint")
+        except KeyError as error:
+            raise SetupError("Could not build it.") from error
+    except SetupError as error:
+        caused = error
+    monkeypatch.setenv("RANK", "1")  # each rank of a multi-process run writes its own file
+    log = tmp_path / "logs" / "error-rank1.log"
+    assert stop_line("train_genrl.py", caused, caused, str(tmp_path / "logs")) == (
+        f"train_genrl.py: error: Could not build it (the traceback is in {log}).")
+    assert "KeyError: 'checkpoint'" in log.read_text()
+
+
+def test_eval_with_a_missing_prompt_file_is_one_sentence_before_any_model_loads(tmp_path, monkeypatch):
+    import eval_genrl
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded before the input was refused")
+
+    monkeypatch.setattr(eval_genrl, "load_model", no_model)
+    missing = str(tmp_path / "prompts.txt")
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.run(["--model", str(tmp_path / "model"), "--prompts", missing, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == f"eval_genrl.py: error: Prompt file {missing!r} does not exist."
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config, processes", [(None, 1), ("multi_gpu", 2)])
+def test_a_refusal_under_accelerate_launch_is_said_once(tiny_sd3, prompt_file, tmp_path, config, processes):
+    """``accelerate launch --quiet`` (README "Bad input"): one process shows the sentence alone; on
+    two, every process refuses the same command line but only the first says it (the launcher
+    then adds torch's summary of the failed processes). The launcher's exit status is 1."""
+    import subprocess
+
+    from conftest import ROOT, launch_command
+
+    args = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--group_size", "3")
+    if config is None:  # the quickstart's launcher without a config file, its defaults given so that it does not list them
+        command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
+                   "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"), *args]
+    else:
+        command = launch_command("train_genrl.py", args, config, processes)
+    command.insert(command.index("accelerate.commands.launch") + 1, "--quiet")
+    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    sentence = ("train_genrl.py: error: --rollout_batch_size 4 × --rollout_batches_per_epoch 2 = 8 samples per process per "
+                "epoch is not a multiple of --group_size 3, so a prompt's group would be split; use e.g. --rollout_batch_size 6.")
+    assert proc.returncode == 1 and script_errors(proc.stderr) == [sentence], proc.stderr[-3000:]
+    if config is None:
+        assert proc.stderr.strip().splitlines() == [sentence]
+
+
+def test_a_prompt_file_refusal_is_left_to_the_first_process_of_the_machine(tiny_sd3, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "prompts.txt"
+    path.write_text("")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert trainer_exit_in_process(args_with(tiny_sd3, str(path), str(tmp_path / "out")), monkeypatch) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        train_args.parse_args(args_with(tiny_sd3, str(path), str(tmp_path / "out"), "--group_size", "3"))
+    assert exit_info.value.code == 2 and capsys.readouterr().err == ""
+
+
+FP16_ON_CPU = ("--mixed_precision fp16 is for GPUs: on the CPU it runs the models in float16, far slower than in float32 "
+               "and with other scores; use --mixed_precision bf16 (the CPU's fast reduced precision) or no.")
+
+
+@pytest.mark.parametrize("flag, exported", [("fp16", None), (None, "fp16")])
+def test_fp16_on_the_cpu_is_refused_when_parsed(tiny_sd3, prompt_file, tmp_path, capsys, monkeypatch, flag, exported):
+    """Given as the script's flag or by `accelerate launch --mixed_precision fp16` (exported); bf16 is fine."""
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")  # the CPU, as `accelerate launch --cpu` asks, on any machine
+    if exported:
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", exported)
+    extra = ["--mixed_precision", flag] if flag else []
+    assert parse_error(capsys, args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra)) == FP16_ON_CPU
+    assert train_args.parse_args(args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--mixed_precision", "bf16"))
+
+
+def test_eval_refuses_fp16_on_the_cpu(tmp_path, capsys, monkeypatch):
+    import eval_genrl
+
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.parse_args(["--model", str(tmp_path / "model"), "--mixed_precision", "fp16"])
+    assert exit_info.value.code == 2 and capsys.readouterr().err.strip().splitlines()[-1] == f"eval_genrl.py: error: {FP16_ON_CPU}"
+
+
+def test_a_master_address_the_launcher_inherited_is_no_sign_of_missing_processes(tiny_sd3, prompt_file, tmp_path,
+                                                                                 capsys, monkeypatch):
+    """accelerate launch sets MASTER_ADDR for the processes it was asked for; a cluster job may have set it already."""
+    from genrl import distributed
+
+    for name, value in {"ACCELERATE_DYNAMO_BACKEND": "NO", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = args_with(tiny_sd3, prompt_file, str(tmp_path / "out"))
+    monkeypatch.setattr(distributed, "_launcher_environment", lambda: [b"PATH=/usr/bin", b"MASTER_ADDR=10.0.0.1"])
+    train_args.parse_args(argv)
+    monkeypatch.setattr(distributed, "_launcher_environment", lambda: [b"PATH=/usr/bin"])
+    assert parse_error(capsys, argv).startswith("accelerate launch was asked for more than one process but started this one alone")
+
+
+@pytest.mark.slow
+def test_accelerate_launch_num_processes_3_without_a_config_says_it_runs_one(tiny_sd3, prompt_file, tmp_path):
+    """The launcher without a config starts several processes only on 2+ GPUs: here it would train
+    as one process, silently, and the script says so instead."""
+    import subprocess
+
+    from conftest import ROOT
+
+    command = ["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-m", "accelerate.commands.launch", "--quiet", "--num_processes",
+               "3", "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+               os.path.join(ROOT, "train_genrl.py"), *args_with(tiny_sd3, prompt_file, str(tmp_path / "out"), "--num_epochs", "1")]
+    proc = subprocess.run(command, cwd=ROOT, env=script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and proc.stderr.strip().splitlines() == [
+        "train_genrl.py: error: accelerate launch was asked for more than one process but started this one alone "
+        "(without a multi-process config file it starts several only on 2 or more GPUs, and this machine shows 0): add "
+        "--config_file accelerate_configs/multi_gpu.yaml to run them (on the CPU over gloo), or launch one process."
+    ], proc.stderr[-3000:]

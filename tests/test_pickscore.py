@@ -109,7 +109,7 @@ def test_missing_weights_are_one_sentence_naming_the_repos_and_options(tmp_path,
     message = str(error.value)
     assert "\n" not in message and "yuvalkirstain/PickScore_v1" in message and "laion/CLIP-ViT-H-14" in message
     assert "--reward_options '{\"pickscore\": {\"checkpoint\"" in message
-    with pytest.raises(ValueError, match="Unknown PickScore options \\['pixels'\\]"):
+    with pytest.raises(ValueError, match="Reward 'pickscore' takes no option 'pixels'"):
         build_pickscore_reward("pickscore", pixels=224)
 
 

@@ -195,7 +195,7 @@ def test_registry_shares_one_model_and_reads_fps_from_metadata(setup, monkeypatc
     torch.testing.assert_close(out["videoalign_overall"], direct["Overall"])
     torch.testing.assert_close(out["total"], direct["VQ"] + 0.5 * direct["TA"] + 2 * direct["Overall"])
     assert scorer.to("cpu") is scorer and scorer.device == torch.device("cpu")
-    with pytest.raises(ValueError, match="Unknown VideoAlign options"):
+    with pytest.raises(ValueError, match="Reward 'videoalign_ta' takes no option 'frames'"):
         va.build_videoalign_reward("videoalign_ta", frames=3)
 
 

@@ -33,7 +33,9 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from genrl.rewards.model_reward import ScorerFamily, build_scorer_reward, fetch_hub_file, resolve_folder
+from genrl.rewards.model_reward import (
+    FILE, FILE_OR_FOLDER, FOLDER, ScorerFamily, build_scorer_reward, fetch_hub_file, resolve_folder,
+)
 from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS
 from genrl.rewards.qwen2vl_preprocess import (
     HPSV3_PIXELS,
@@ -67,6 +69,7 @@ HPSV3 = ScorerFamily(
     # Not the batch size: loads that differ only there share one model.
     cache_fields=("checkpoint", "base_model", "template_path", "attn_implementation", "lora_alpha", "pixels"),
     sources={"checkpoint": f"{DEFAULT_CHECKPOINT_REPO}/{DEFAULT_CHECKPOINT_FILE}", "base_model": DEFAULT_BASE_MODEL},
+    paths={"checkpoint": FILE_OR_FOLDER, "base_model": FOLDER, "template_path": FILE},
 )
 
 
@@ -198,3 +201,6 @@ def build_hpsv3_reward(name: str = "hpsv3", device: Union[str, torch.device] = "
         return {"hpsv3": frame_scores.mean(dim=1), "hpsv3_top30": top_fraction_mean(frame_scores)}
 
     return build_scorer_reward(HPSV3, name, device, options, load_hpsv3_scorer, score)
+
+
+build_hpsv3_reward.check_options = HPSV3.check_options  # option names and paths, checked before any model loads

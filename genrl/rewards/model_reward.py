@@ -2,26 +2,55 @@
 come from, its dtype, and the registry factory around it.
 
 - `resolve_folder` / `fetch_hub_file`: a local folder or file as is, else the Hub (its cache when
-  offline); a failed download is a ``SetupError`` naming the repo;
+  offline); a failed download is a ``SetupError`` naming the repo; `source_problem`: a local
+  path that is not there, found before anything loads;
 - `reward_sources_error`: one sentence naming the sources a reward needs and the
   ``--reward_options`` that points it at local copies;
 - `resolve_dtype`: the scorer's dtype (bfloat16 on CUDA, float32 elsewhere, unless given);
 - `ScorerFamily` + `build_scorer_reward`: the registry factory's common part (option checks, one
-  model shared per load through `lifecycle`, samples turned into uint8 clips).
+  model shared per load through `lifecycle`, samples turned into uint8 clips); the factory's
+  ``check_options`` (``ScorerFamily.check_options``) checks option names and paths at argument
+  parsing, before any model loads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 
-from genrl.errors import SetupError, hub_failure_reason
+from genrl.errors import SetupError, hub_failure_reason, json_type
 from genrl.rewards import lifecycle
 from genrl.rewards.layouts import prepare_images_tensor
+from genrl.rewards.registry import unknown_option
+
+# What a path option names (ScorerFamily.paths): a local folder or a Hub repo id, the same or a
+# local file (a weights file), a local file (a prompt template).
+FOLDER, FILE_OR_FOLDER, FILE = "folder", "file or folder", "file"
+
+
+def looks_like_hub_id(value: str) -> bool:
+    """Whether ``value`` has the form of a Hub repo id, ``org/name``, and not of a path."""
+    return value.count("/") == 1 and not os.path.isabs(value) and not value.startswith(".")
+
+
+def source_problem(value: Any, kind: str) -> Optional[str]:
+    """Why ``value`` cannot be what a path option of ``kind`` names (FOLDER, FILE_OR_FOLDER,
+    FILE), found without loading or fetching anything, or None when it may be: a Hub repo id is
+    only fetched (or read from the Hub cache) when the model loads."""
+    hub = kind != FILE
+    if not isinstance(value, str) or not value:
+        return f"must be a path{' or a Hub repo id' if hub else ''}, not a {json_type(value)}"
+    if os.path.isdir(value):
+        return "is a folder, not a file" if kind == FILE else None
+    if os.path.isfile(value):
+        return "is a file, not a folder" if kind == FOLDER else None
+    if hub and looks_like_hub_id(value):
+        return None
+    return "does not exist" + (" (nor is it a Hub repo id like 'org/name')" if hub else "")
 
 
 def resolve_folder(path_or_repo: str, allow_patterns: Optional[Sequence[str]] = None) -> str:
@@ -29,7 +58,7 @@ def resolve_folder(path_or_repo: str, allow_patterns: Optional[Sequence[str]] = 
     (from the local cache when offline); a failed download is a ``SetupError`` naming the repo."""
     if os.path.isdir(path_or_repo):
         return path_or_repo
-    if os.path.exists(path_or_repo) or path_or_repo.count("/") != 1:
+    if os.path.exists(path_or_repo) or not looks_like_hub_id(path_or_repo):
         raise FileNotFoundError(f"{path_or_repo!r} is neither a folder nor a Hub repo id ('org/name').")
     from huggingface_hub import snapshot_download
 
@@ -77,7 +106,8 @@ class ScorerFamily:
 
     ``cache_name`` names it in the `lifecycle` cache; ``rewards`` are its registry names;
     ``options`` the factory accepts; ``cache_fields``: the options that make two loads
-    different models; ``sources``: option -> default repo, named when a download fails.
+    different models; ``sources``: option -> default repo, named when a download fails;
+    ``paths``: option -> what it names (FOLDER, FILE_OR_FOLDER, FILE), checked by `check_options`.
     """
 
     family: str
@@ -86,6 +116,18 @@ class ScorerFamily:
     options: frozenset[str]
     cache_fields: tuple[str, ...]
     sources: Mapping[str, str]
+    paths: Mapping[str, str] = field(default_factory=dict)
+
+    def check_options(self, name: str, options: Mapping[str, Any]) -> None:
+        """Options of reward ``name`` that this family does not take, or a path option naming
+        something that is not there: a ValueError of one sentence (the registry's
+        ``check_options`` hook, so found at argument parsing, before any model loads)."""
+        unknown = sorted(set(options) - self.options)
+        if unknown:
+            raise ValueError(unknown_option(name, unknown[0], self.options))
+        for option, kind in self.paths.items():
+            if option in options and (problem := source_problem(options[option], kind)) is not None:
+                raise ValueError(f"Reward {name!r} option {option!r}: {options[option]!r} {problem}.")
 
 
 ScoreFn = Callable[[Any, torch.Tensor, list[str], Optional[Sequence[Mapping]]], dict[str, torch.Tensor]]
@@ -107,9 +149,7 @@ def build_scorer_reward(
     """
     if name not in family.rewards:
         raise ValueError(f"Unknown {family.family} reward {name!r}; expected one of {sorted(family.rewards)}.")
-    unknown = set(options) - family.options
-    if unknown:
-        raise ValueError(f"Unknown {family.family} options {sorted(unknown)}; accepted: {sorted(family.options)}.")
+    family.check_options(name, options)
 
     def build(dev: torch.device) -> Any:
         try:

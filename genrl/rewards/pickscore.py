@@ -30,7 +30,7 @@ from torch import nn
 
 from genrl.distributed import zero_init_disabled
 from genrl.rewards import lifecycle
-from genrl.rewards.model_reward import ScorerFamily, build_scorer_reward, resolve_dtype, resolve_folder
+from genrl.rewards.model_reward import FOLDER, ScorerFamily, build_scorer_reward, resolve_dtype, resolve_folder
 
 DEFAULT_CHECKPOINT = "yuvalkirstain/PickScore_v1"
 DEFAULT_PROCESSOR = "laion/CLIP-ViT-H-14-laion2B-s32B-b79K"
@@ -49,6 +49,7 @@ PICKSCORE = ScorerFamily(
     options=frozenset({"checkpoint", "processor", "dtype", "batch_size"}),
     cache_fields=("checkpoint", "processor"),
     sources={"checkpoint": DEFAULT_CHECKPOINT, "processor": DEFAULT_PROCESSOR},
+    paths={"checkpoint": FOLDER, "processor": FOLDER},
 )
 
 
@@ -144,3 +145,6 @@ def build_pickscore_reward(name: str = "pickscore", device: Union[str, torch.dev
 
     # The default dtype spelled out, so that the cache key names what is loaded.
     return build_scorer_reward(PICKSCORE, name, device, {"dtype": "float32", **options}, load_pickscore_scorer, score)
+
+
+build_pickscore_reward.check_options = PICKSCORE.check_options  # option names and paths, checked before any model loads

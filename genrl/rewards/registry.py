@@ -22,7 +22,10 @@ videoalign_vq + videoalign_ta: one forward pass). Factories share models through
 `genrl.rewards.lifecycle.get_reward_model`.
 
 Factories may be registered as ``"package.module:function"`` strings, imported on first
-use, so that importing the registry never imports a reward model's heavy dependencies.
+use, so that importing the registry never imports a reward model's heavy dependencies. A
+factory that takes ``**options`` checks them itself; with a ``check_options(name, options)``
+attribute it does so before any model loads (`check_reward_options`, at argument parsing):
+option names and the paths they give.
 
 A user function is the reward callable itself, ``fn(samples, prompts, metadata)``; its
 options, if any, are passed as keyword arguments on every call.
@@ -45,6 +48,8 @@ from typing import Any, Callable, Mapping, Sequence, Union
 import numpy as np
 import torch
 
+from genrl.errors import SetupError, json_type
+
 Factory = Callable[..., Callable[..., Any]]
 
 _NUMBER = re.compile(r"^[+-]?(\d+(\.\d*)?|\.\d+)([eE][+-]?\d+)?$")
@@ -53,6 +58,14 @@ _TOTAL = "total"
 
 _REGISTRY: dict[str, Union[Factory, str]] = {}
 _RESOLVE_LOCK = threading.Lock()
+# The positional arguments of every reward call; a user function's options are its other keywords.
+_CALL_ARGUMENTS = 3
+
+
+class RewardError(SetupError, RuntimeError):
+    """A reward could not be built or failed on a batch (its own error, out of memory, a wrong
+    number of scores, NaN, complex values): one sentence naming the reward; the reward's own
+    traceback stays in the chain (``__cause__``), which the scripts write to the run's log."""
 
 
 def register_reward(name: str, factory: Union[Factory, str], *, overwrite: bool = False) -> None:
@@ -98,8 +111,9 @@ def _import_path(path: str, what: str) -> Callable[..., Any]:
     module_name, attr = _split_path(path)
     try:
         module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ImportError(f"Could not import module {module_name!r} for {what}: {e}") from e
+    except (ImportError, SyntaxError) as e:  # a module that is not there, or does not parse: one sentence
+        raise ImportError(f"Could not import module {module_name!r} for {what} ({e}); it must be importable "
+                          f"from where the script runs (PYTHONPATH).") from e
     obj = getattr(module, attr, None)
     if not callable(obj):
         raise ValueError(f"{module_name}.{attr} for {what} does not exist or is not callable.")
@@ -154,28 +168,42 @@ def parse_reward_spec(spec: str) -> list[tuple[str, float]]:
     return parsed
 
 
+def failure_sentence(what: str, name: str, error: BaseException, batch: int | None = None) -> str:
+    """One sentence for reward ``name`` that raised ``error`` (``what``: "Reward 'x' failed",
+    "Could not build reward 'x'"): out of memory with what to change, else the error's type and
+    the first line of its message (the rest is in its traceback)."""
+    if isinstance(error, (torch.OutOfMemoryError, MemoryError)):
+        samples = f" on a batch of {batch}" if batch is not None else ""
+        return (f"Reward {name!r} ran out of memory{samples} ({type(error).__name__}): give it a smaller batch_size "
+                f"in --reward_options if it takes one, a smaller --rollout_batch_size, or another --reward_device.")
+    lines = str(error).strip().splitlines()
+    return f"{what}: {type(error).__name__}" + (f": {lines[0].rstrip('.')}." if lines else ".")
+
+
 def _as_scores(value: Any, name: str, n: int, allow_nan: bool) -> torch.Tensor:
     """One reward's output -> float32 CPU ``(N,)``, or an error naming the reward."""
     try:
         scores = torch.as_tensor(np.asarray(value) if isinstance(value, (list, tuple)) else value)
     except Exception as e:
-        raise TypeError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
+        raise RewardError(f"Reward {name!r} returned {type(value).__name__}, expected N floats.") from e
     if tuple(scores.shape) != (n,):
-        raise ValueError(
+        raise RewardError(
             f"Reward {name!r} returned shape {tuple(scores.shape)}, expected ({n},): one score per sample."
         )
+    if scores.is_complex():  # a cast to float would keep the real part and drop the rest silently
+        raise RewardError(f"Reward {name!r} returned complex scores ({scores[0].item()}, ...); a reward must be real numbers.")
     if scores.is_floating_point() and scores.dtype != torch.float32:  # float64 values beyond float32's range
         wide = scores.detach().to("cpu", torch.float64)
         overflow = wide.isfinite() & (wide.abs() > torch.finfo(torch.float32).max)
         if overflow.any():
-            raise ValueError(
+            raise RewardError(
                 f"Reward {name!r} returned {wide[overflow][0].item():g}, which overflows float32 (largest "
                 f"{torch.finfo(torch.float32).max:.3g}); scale the reward down."
             )
     scores = scores.detach().to("cpu", torch.float32)
     bad = scores.isinf() | (scores.isnan() & (not allow_nan))
     if bad.any():
-        raise ValueError(
+        raise RewardError(
             f"Reward {name!r} returned non-finite scores {scores.tolist()}"
             + ("." if allow_nan else " (NaN means 'not applicable' only with allow_nan=True, for evaluation).")
         )
@@ -205,8 +233,10 @@ class RewardFn:
     def _call(self, i: int, samples, prompts, metadata) -> Any:
         try:
             return self._fns[i](samples, prompts, metadata)
+        except SetupError:
+            raise  # already one sentence (a reward model rebuilt after clear_reward_models, its weights gone)
         except Exception as e:
-            raise RuntimeError(f"Reward {self.names[i]!r} failed: {type(e).__name__}: {e}") from e
+            raise RewardError(failure_sentence(f"Reward {self.names[i]!r} failed", self.names[i], e, len(samples))) from e
 
     def __call__(
         self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None
@@ -225,7 +255,7 @@ class RewardFn:
                 value = first if i == group[0] or shared else self._call(i, samples, prompts, metadata)
                 if isinstance(value, Mapping):
                     if name not in value:
-                        raise ValueError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
+                        raise RewardError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
                     value = value[name]
                 out[name] = _as_scores(value, name, n, self.allow_nan)
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
@@ -254,34 +284,43 @@ def load_reward_options(value: str | None) -> Any:
 
 
 def check_reward_options(options: Any, specs: Sequence[str]) -> None:
-    """Check ``--reward_options`` before any model loads: a mapping from reward names (each
-    in one of ``specs``) to a mapping of options, and, for a registered factory that lists
-    its parameters, only options it takes. Raises ValueError with one sentence."""
+    """Check the rewards of ``specs`` and ``--reward_options`` before any model loads: every
+    ``module:function`` reward imports; ``options`` maps reward names (each in one of ``specs``)
+    to mappings of options, each of which the reward takes (a registered factory's parameters or
+    its ``check_options``, which also checks the paths given; a user function's keywords).
+    Raises ValueError or ImportError with one sentence."""
     if not isinstance(options, Mapping):
         raise ValueError(
-            f"--reward_options must be a JSON object mapping reward names to their options, got a {_json_type(options)}."
+            f"--reward_options must be a JSON object mapping reward names to their options, got a {json_type(options)}."
         )
-    names = {name for spec in specs for name, _ in parse_reward_spec(spec)}
+    names = list(dict.fromkeys(name for spec in specs for name, _ in parse_reward_spec(spec)))
+    for name in names:
+        if ":" in name:
+            _import_path(name, f"reward {name!r}")
     for name, opts in options.items():
         if name not in names:
             raise ValueError(f"--reward_options names {name!r}, which is not in --reward_fn or --eval_reward_fn {sorted(names)}.")
         if not isinstance(opts, Mapping):
-            raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {_json_type(opts)}.")
-        if ":" in name:
-            continue  # a user function's options are its keyword arguments, checked when it is called
-        params = inspect.signature(_factory(name)).parameters
-        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-            continue  # the factory checks its own options (without loading a model)
-        unknown = sorted(set(opts) - set(params) | set(opts) & {"name", "device"})
+            raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {json_type(opts)}.")
+        target = _import_path(name, f"reward {name!r}") if ":" in name else _factory(name)
+        check = getattr(target, "check_options", None)
+        if check is not None:
+            check(name, dict(opts))
+            continue
+        params = list(inspect.signature(target).parameters.values())
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+            continue  # it checks its own options when it is built or called
+        # A factory is called with name= and device=; a user function with the three arguments of a reward call.
+        reserved = [p.name for p in params[:_CALL_ARGUMENTS]] if ":" in name else ["name", "device"]
+        takes = [p.name for p in params if p.name not in reserved]
+        unknown = sorted(option for option in opts if option not in takes)
         if unknown:
-            takes = sorted(set(params) - {"name", "device"}) or "none"
-            raise ValueError(f"Reward {name!r} takes no option {unknown[0]!r} (its options: {takes}).")
+            raise ValueError(unknown_option(name, unknown[0], takes))
 
 
-def _json_type(value: Any) -> str:
-    """How JSON calls the type of a parsed value (for messages)."""
-    names = {dict: "object", list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
-    return "null" if value is None else names.get(type(value), type(value).__name__)
+def unknown_option(name: str, option: str, takes: Sequence[str]) -> str:
+    """The sentence for reward ``name`` given an ``option`` it does not take (``takes``: those it does)."""
+    return f"Reward {name!r} takes no option {option!r} (its options: {sorted(takes) or 'none'})."
 
 
 def build_reward_fn(
@@ -314,8 +353,10 @@ def build_reward_fn(
             factory = _factory(name)
             try:
                 fn = factory(name=name, device=device, **opts)
+            except SetupError:
+                raise  # already one sentence (weights that could not be fetched)
             except Exception as e:
-                raise RuntimeError(f"Could not build reward {name!r}: {type(e).__name__}: {e}") from e
+                raise RewardError(failure_sentence(f"Could not build reward {name!r}", name, e)) from e
             key = (factory, opts)
         fns.append(fn)
         for group, group_key in zip(groups, group_keys):

@@ -30,10 +30,12 @@ import cv2
 import numpy as np
 import torch
 
+from genrl.rewards.registry import unknown_option
 from genrl.toy_scenes import COLORS, SceneSpec, parse_caption, relation_holds
 
 CATEGORIES = ("color", "shape", "count", "position")
 SCORE_NAMES = ("overall", "strict") + CATEGORIES
+TOY_GENEVAL_OPTIONS = ("min_area_fraction",)
 
 # A pixel is part of an object when it is clearly coloured: saturation and value (0-255)
 # above these; its colour is the palette hue nearest to its own, within _MAX_HUE_DISTANCE
@@ -194,12 +196,21 @@ def build_toy_geneval_reward(
     if key not in SCORE_NAMES or key == "overall" and name != "toy_geneval":
         known = ["toy_geneval"] + [f"toy_geneval_{n}" for n in SCORE_NAMES if n != "overall"]
         raise ValueError(f"Unknown toy GenEval reward {name!r}; known: {known}.")
-    unknown = set(options) - {"min_area_fraction"}
-    if unknown:
-        raise ValueError(f"Unknown toy_geneval options {sorted(unknown)}; accepted: ['min_area_fraction'].")
+    check_toy_geneval_options(name, options)
     min_area_fraction = float(options.get("min_area_fraction", 0.01))
 
     def reward(samples: Any, prompts: Sequence[str], metadata: Any = None) -> torch.Tensor:
         return toy_geneval_scores(samples, prompts, min_area_fraction)[key]
 
     return reward
+
+
+def check_toy_geneval_options(name: str, options: Any) -> None:
+    """Options of ``name`` other than ``min_area_fraction``: a ValueError of one sentence (also
+    the factory's ``check_options``, run at argument parsing)."""
+    unknown = sorted(set(options) - set(TOY_GENEVAL_OPTIONS))
+    if unknown:
+        raise ValueError(unknown_option(name, unknown[0], TOY_GENEVAL_OPTIONS))
+
+
+build_toy_geneval_reward.check_options = check_toy_geneval_options

@@ -61,7 +61,7 @@ import torch
 from torch import nn
 
 from genrl.rewards.frame_selection import select_frame_indices
-from genrl.rewards.model_reward import ScorerFamily, build_scorer_reward, resolve_folder
+from genrl.rewards.model_reward import FILE, FILE_OR_FOLDER, FOLDER, ScorerFamily, build_scorer_reward, resolve_folder
 from genrl.rewards.qwen2vl_compat import BASE_FOLDER_PATTERNS
 from genrl.rewards.qwen2vl_preprocess import (
     VIDEO_MAX_PIXELS,
@@ -95,6 +95,7 @@ VIDEOALIGN = ScorerFamily(
     cache_fields=("checkpoint", "base_model", "checkpoint_step", "template_path", "attn_implementation", "lora_alpha",
                   "min_pixels", "max_pixels", "video_fps", "batch_size"),
     sources={"checkpoint": DEFAULT_CHECKPOINT_REPO, "base_model": DEFAULT_BASE_MODEL},
+    paths={"checkpoint": FILE_OR_FOLDER, "base_model": FOLDER, "template_path": FILE},
 )
 
 
@@ -335,3 +336,6 @@ def build_videoalign_reward(name: str = "videoalign_overall", device: Union[str,
         return {registry_name: scores[dim] for registry_name, dim in VIDEOALIGN_NAMES.items()}
 
     return build_scorer_reward(VIDEOALIGN, name, device, options, load_videoalign_scorer, score)
+
+
+build_videoalign_reward.check_options = VIDEOALIGN.check_options  # option names and paths, checked before any model loads
