@@ -297,6 +297,8 @@ def main(args, held: ExitStack | None = None):
                    pushes=checkpoint_pushes, sampling_policy=sampling_policy, node_local=node_local)
     # SIGTERM / SIGUSR1 / SIGINT from here on: the ranks agree at the next safe point, save, and exit.
     preemption = PreemptionWatch().install()
+    if held is not None:  # a run called in-process gives the signals back to its caller
+        held.callback(preemption.restore)
 
     # ---- Training: the phases of "What one epoch does" (README) ------------------------------------
     for epoch in range(first_epoch, args.num_epochs):
