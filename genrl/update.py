@@ -176,15 +176,16 @@ def micro_steps_before_the_weights_move(accelerator, config: UpdateConfig, on_po
 
 
 def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler, guard: NonFiniteGuard, *,
-                   step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
+                   global_step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
     """After a backward pass: ``(applied, grad norm)``. At an accumulation boundary the norm is
-    clipped and the guard decides on every rank whether step ``step`` is applied; a skipped step
-    leaves the weights of the last finite one (DeepSpeed has already skipped its own step on a
-    non-finite norm). Between boundaries Accelerate's wrappers make the steps no-ops."""
+    clipped and the guard decides on every rank whether optimizer step ``global_step`` is
+    applied; a skipped step leaves the weights of the last finite one (DeepSpeed has already
+    skipped its own step on a non-finite norm). Between boundaries Accelerate's wrappers make
+    the steps no-ops."""
     norm, applied = None, True
     if accelerator.sync_gradients:
         norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        applied = guard.check_step(accelerator, step, losses_finite, norm)
+        applied = guard.check_step(accelerator, global_step, losses_finite, norm)
     if applied:
         optimizer.step()
         lr_scheduler.step()
@@ -236,11 +237,11 @@ def update_policy(
                                                   device=accelerator.device)
     result = UpdateResult(global_step)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
-    for n, (idx, step) in enumerate(plan):
+    for n, (idx, timestep) in enumerate(plan):
         with accelerator.accumulate(model):
             if config.objective == "grpo":
                 # Without a KL term a zero-advantage sample adds nothing to the loss or its gradient.
-                rows, row_steps, scale = (idx, step, 1.0) if config.beta > 0 else informative_rows(idx, step, advantages)
+                rows, row_steps, scale = (idx, timestep, 1.0) if config.beta > 0 else informative_rows(idx, timestep, advantages)
                 loss, stats = grpo_step_loss(
                     policy, model, rollout, rows, row_steps, advantages, config=sampling, clip_range=config.clip_range,
                     beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
@@ -249,13 +250,13 @@ def update_policy(
                 loss = loss * scale
             else:
                 loss, stats = forward_step_loss(
-                    policy, model, forward_batch, rollout.embeds, idx, step, advantages, objective=config.objective,
+                    policy, model, forward_batch, rollout.embeds, idx, timestep, advantages, objective=config.objective,
                     guidance_scale=config.guidance_scale, adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta,
                     beta=config.beta, frozen_reference=frozen_reference, old_is_current=n < fresh,
                 )
             losses_finite = losses_finite and is_finite(loss)
             accelerator.backward(loss)
-            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, step=result.global_step + 1,
+            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, global_step=result.global_step + 1,
                                            losses_finite=losses_finite, max_grad_norm=config.max_grad_norm)
             if applied and norm is not None:
                 result.grad_norms.append(float(norm))
