@@ -49,7 +49,7 @@ from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard, NonFiniteSamples, samples_stop_message
 from genrl.node_storage import checkpoint_writer, output_dir_is_node_local, use_node_local_checkpoints
-from genrl.objectives import check_sigma_range_holds, reference_model
+from genrl.objectives import UpdateConfig, check_sigma_range_holds, reference_model
 from genrl.output_lock import lock_output_dir
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
@@ -63,7 +63,7 @@ from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_f
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
-from genrl.update import UpdateConfig, update_policy
+from genrl.update import update_policy
 from genrl.zero_init import describe_partitioned_build, zero3_init_requested
 
 logger = get_logger(__name__)
