@@ -49,7 +49,7 @@ from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
 from genrl.nan_guard import NonFiniteError, NonFiniteGuard, NonFiniteSamples, samples_stop_message
 from genrl.node_storage import checkpoint_writer, output_dir_is_node_local, use_node_local_checkpoints
-from genrl.objectives import check_sigma_range_holds, reference_model
+from genrl.objectives import UpdateConfig, check_sigma_range_holds, reference_model
 from genrl.output_lock import lock_output_dir
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
@@ -63,7 +63,7 @@ from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_f
 from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
-from genrl.update import UpdateConfig, update_policy
+from genrl.update import update_policy
 from genrl.zero_init import describe_partitioned_build, zero3_init_requested
 
 logger = get_logger(__name__)
@@ -84,11 +84,11 @@ def main(args, held: ExitStack | None = None):
         raise SystemExit(said_once(f"train_genrl.py: error: {e}") or 1)
 
     # ---- Accelerator -------------------------------------------------------------------
-    n_train_steps = num_trained_timesteps(args)
+    num_timesteps = num_trained_timesteps(args)
     accelerator = build_accelerator(
         output_dir=args.output_dir, logging_dir=args.logging_dir, mixed_precision=args.mixed_precision,
         # Every trained timestep of every micro batch is one backward pass of the accumulation.
-        gradient_accumulation_steps=args.gradient_accumulation_steps * n_train_steps,
+        gradient_accumulation_steps=args.gradient_accumulation_steps * num_timesteps,
         log_with=args.report_to, collective_timeout_s=args.collective_timeout,
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
@@ -177,7 +177,7 @@ def main(args, held: ExitStack | None = None):
     )
     sampling, eval_sampling = sampling_configs(args)
     if args.train_sigma_range:  # too few steps in the range: one sentence now, not after the first rollout
-        check_sigma_range_holds(policy, sampling, n_train_steps, tuple(args.train_sigma_range))
+        check_sigma_range_holds(policy, sampling, num_timesteps, tuple(args.train_sigma_range))
     # Speed levers (--attention_backend, --compile) on the trained transformer and the frozen copy,
     # after the LoRA set-up; the FLOPs of one sequence through it are counted first, on the bare
     # module, and the tally counts the sequences each epoch sends through it (perf/* metrics).
@@ -220,7 +220,7 @@ def main(args, held: ExitStack | None = None):
             shadow.settle = partial(settle_zero3_params, model)
 
     update_config = UpdateConfig(
-        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=n_train_steps,
+        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=num_timesteps,
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
         max_grad_norm=args.max_grad_norm, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
         num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
@@ -276,7 +276,7 @@ def main(args, held: ExitStack | None = None):
         f"{sampled_per_epoch} samples per process per epoch"
         + (f" ({trained_per_epoch} trained: the {args.train_samples_per_group} of each group whose rewards vary most)"
            if args.train_samples_per_group else "")
-        + f", {n_train_steps} trained timesteps per sample"
+        + f", {num_timesteps} trained timesteps per sample"
     )
     # One bar over the whole run (optimizer steps, ETA, latest rewards); per-phase bars would
     # print two lines per epoch.

@@ -169,30 +169,42 @@ def score_stats(values: Sequence[float]) -> dict[str, float | int | None]:
     return {"mean": float(applicable.mean()), "std": float(applicable.std(correction=0)), "count": applicable.numel()}
 
 
-def _by_prompt(records: list) -> list[list]:
+@dataclass(frozen=True)
+class SampleRecord:
+    """One evaluated sample: prompt ``index`` (of the evaluated prompts), its noise ``draw``, the
+    ``prompt``, its ``scores`` by reward name, and ``image``, uint8 ``(F, H, W, C)`` when the
+    sample is kept for the logged grid (else None)."""
+
+    index: int
+    draw: int
+    prompt: str
+    scores: dict[str, float]
+    image: torch.Tensor | None
+
+
+def _by_prompt(records: list[SampleRecord]) -> list[list[SampleRecord]]:
     """Records sorted by (index, draw) -> one list per prompt index."""
-    groups: dict[int, list] = {}
+    groups: dict[int, list[SampleRecord]] = {}
     for record in records:
-        groups.setdefault(record[0], []).append(record)
+        groups.setdefault(record.index, []).append(record)
     return list(groups.values())
 
 
-def _prompt_row(rows: list) -> dict[str, Any]:
+def _prompt_row(rows: list[SampleRecord]) -> dict[str, Any]:
     """One prompt's ``per_prompt`` row from its records, one per draw: each score the mean over
     the draws it applies to. NaN ("not applicable") is written as null: JSON has no NaN."""
-    index, _, prompt, _, _ = rows[0]
 
     def clean(scores: Mapping[str, float]) -> dict[str, float | None]:
         return {k: (None if math.isnan(v) else v) for k, v in scores.items()}
 
-    scores = {name: score_stats([r[3][name] for r in rows])["mean"] for name in rows[0][3]}
-    row = {"index": index, "prompt": prompt, "scores": scores}
+    scores = {name: score_stats([r.scores[name] for r in rows])["mean"] for name in rows[0].scores}
+    row = {"index": rows[0].index, "prompt": rows[0].prompt, "scores": scores}
     if len(rows) > 1:
-        row["draws"] = [clean(r[3]) for r in rows]
+        row["draws"] = [clean(r.scores) for r in rows]
     return row
 
 
-def _gather(records: list, accelerator) -> list:
+def _gather(records: list[SampleRecord], accelerator) -> list[SampleRecord]:
     """Every process's records, concatenated, on every process.
 
     torch.distributed directly rather than ``accelerate.utils.gather_object``, which decides
@@ -257,7 +269,7 @@ def evaluate(
     transformer.eval()
     generator = make_eval_generator()
     try:
-        records = []  # (index, draw, prompt, scores, uint8 sample or None)
+        records: list[SampleRecord] = []
         plan = batches_of_process(len(batches), rank, world)
         for slot in tqdm(plan, desc="eval", disable=not (is_main and show_progress)):
             # A process with no batch left re-runs its last one (or the first) and drops it.
@@ -276,20 +288,20 @@ def evaluate(
                 images = prepare_images_tensor(samples) if any(kept) else None
                 for j, i in enumerate(indices):
                     sample_scores = {name: float(value[j]) for name, value in scores.items()}
-                    records.append((i, draw, prompts[i], sample_scores, images[j].clone() if kept[j] else None))
+                    records.append(SampleRecord(i, draw, prompts[i], sample_scores, images[j].clone() if kept[j] else None))
                 del samples, images
     finally:
         transformer.train(was_training)
 
-    records = sorted(_gather(records, accelerator), key=lambda r: r[:2])
-    names = list(records[0][3])
-    metrics = {name: score_stats([r[3][name] for r in records]) for name in names}
+    records = sorted(_gather(records, accelerator), key=lambda r: (r.index, r.draw))
+    names = list(records[0].scores)
+    metrics = {name: score_stats([r.scores[name] for r in records]) for name in names}
     if samples_per_prompt > 1:
         for name in names:
-            metrics[name]["draw_means"] = [score_stats([r[3][name] for r in records if r[1] == k])["mean"]
+            metrics[name]["draw_means"] = [score_stats([r.scores[name] for r in records if r.draw == k])["mean"]
                                            for k in range(samples_per_prompt)]
     per_prompt = [_prompt_row(rows) for rows in _by_prompt(records)]
-    kept_samples = [r[4] for r in records if r[4] is not None]
+    kept_samples = [r.image for r in records if r.image is not None]
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     settings = {
         "seed": seed,
@@ -311,5 +323,5 @@ def evaluate(
         per_prompt=per_prompt,
         samples=torch.stack(kept_samples) if kept_samples else None,
         settings=settings,
-        sample_indices=[r[0] for r in records if r[4] is not None],
+        sample_indices=[r.index for r in records if r.image is not None],
     )

@@ -5,10 +5,6 @@ from __future__ import annotations
 import torch
 
 
-def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1, *([1] * (like.ndim - 1)))
-
-
 def guarded_log_ratio(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,

@@ -23,12 +23,7 @@ from __future__ import annotations
 
 import torch
 
-OBJECTIVES = ("grpo", "nft", "awm")
-
-
-def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``(B,)`` -> ``(B, 1, ..., 1)`` broadcastable against ``like``."""
-    return t.reshape(-1, *([1] * (like.ndim - 1)))
+from genrl.sde import expand_per_sample
 
 
 def _per_sample_mean(x: torch.Tensor) -> torch.Tensor:
@@ -40,7 +35,7 @@ def forward_noise(clean: torch.Tensor, noise: torch.Tensor, sigma: torch.Tensor)
     """The forward process: x_t = (1 - sigma) x0 + sigma eps.
 
     ``clean`` and ``noise`` are ``(B, ...)``, ``sigma`` is ``(B,)`` in [0, 1]."""
-    s = _expand(sigma.float(), clean)
+    s = expand_per_sample(sigma.float(), clean)
     return (1 - s) * clean.float() + s * noise.float()
 
 
@@ -93,7 +88,7 @@ def nft_loss(
     v = velocity.float()
     v_old = old_velocity.detach().float()
     x_t, x0 = noisy.detach().float(), clean.detach().float()
-    s = _expand(sigma.detach().float(), x0)
+    s = expand_per_sample(sigma.detach().float(), x0)
     r = optimality_weight(advantages.detach(), adv_clip_max)
 
     x0_pos = x_t - s * (nft_beta * v + (1 - nft_beta) * v_old)

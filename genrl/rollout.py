@@ -124,6 +124,23 @@ class Rollout:
         return self.log_probs.shape[1]
 
 
+@dataclass(frozen=True)
+class StepRecord:
+    """One recorded stochastic step of one sample, before it is stacked into a ``Rollout``.
+
+    latents, next_latents: ``(...)`` the state before / after the step (one sample's).
+    step: which denoising step it is (0-based, of ``num_inference_steps``).
+    log_prob: ``()`` the step's log-prob.
+    mean: ``(...)`` the step's SDE mean, or None unless the config's ``record_means``.
+    """
+
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    step: int
+    log_prob: torch.Tensor
+    mean: torch.Tensor | None
+
+
 def progressive_window_start(epoch: int, lo: int, last_start: int, shift_every: int) -> int:
     """MixGRPO's sliding SDE window (Li et al. 2025, arXiv:2507.21802): it starts at the
     highest-noise step ``lo`` and moves one step towards the clean end every ``shift_every``
@@ -213,7 +230,7 @@ def sample_rollout(
     sigma_max = float(sigmas[1])
     stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config)
 
-    records: list[list[tuple]] = [[] for _ in range(batch)]
+    records: list[list[StepRecord]] = [[] for _ in range(batch)]
     prev_velocity = None
     for i in range(len(timesteps)):
         t = timesteps[i].expand(batch)
@@ -248,7 +265,7 @@ def sample_rollout(
             if is_stochastic:
                 for j, r in enumerate(rows):
                     mean = out.mean[j] if config.record_means else None
-                    records[r].append((latents[r], out.next_sample[j], i, out.log_prob[j], mean))
+                    records[r].append(StepRecord(latents[r], out.next_sample[j], i, out.log_prob[j], mean))
         latents = next_latents
 
     decode_start = time.perf_counter()
@@ -282,20 +299,20 @@ def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: to
 def _stack_records(
     records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples
 ) -> Rollout:
-    """Per-sample lists of (latents, next_latents, step, log_prob, mean) -> batch-first tensors."""
+    """Per-sample lists of ``StepRecord`` -> batch-first tensors."""
     counts = {len(r) for r in records}
     if len(counts) != 1:
         raise RuntimeError(f"Samples recorded different numbers of stochastic steps: {sorted(counts)}.")
     device = timesteps.device
-    steps = torch.tensor([[rec[2] for rec in r] for r in records], dtype=torch.long, device=device)
+    steps = torch.tensor([[rec.step for rec in r] for r in records], dtype=torch.long, device=device)
     if counts == {0}:  # deterministic sampling: nothing to train on, shapes kept consistent
         latents = next_latents = means = torch.empty(len(records), 0, *state_shape, device=device)
         log_probs = torch.empty(len(records), 0, device=device)
     else:
-        latents = torch.stack([torch.stack([rec[0] for rec in r]) for r in records])
-        next_latents = torch.stack([torch.stack([rec[1] for rec in r]) for r in records])
-        log_probs = torch.stack([torch.stack([rec[3] for rec in r]) for r in records])
-        means = torch.stack([torch.stack([rec[4] for rec in r]) for r in records]) if records[0][0][4] is not None else None
+        latents = torch.stack([torch.stack([rec.latents for rec in r]) for r in records])
+        next_latents = torch.stack([torch.stack([rec.next_latents for rec in r]) for r in records])
+        log_probs = torch.stack([torch.stack([rec.log_prob for rec in r]) for r in records])
+        means = torch.stack([torch.stack([rec.mean for rec in r]) for r in records]) if records[0][0].mean is not None else None
     return Rollout(
         prompts=list(prompts),
         group_indices=list(group_indices),

@@ -52,7 +52,7 @@ def _per_sample(value: Union[float, torch.Tensor], batch: int, device: torch.dev
     return t.expand(batch).clone() if t.ndim == 0 else t.reshape(batch)
 
 
-def _expand(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+def expand_per_sample(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """``(B,)`` -> ``(B, 1, ..., 1)`` broadcastable against ``like``."""
     return t.reshape(-1, *([1] * (like.ndim - 1)))
 
@@ -91,7 +91,7 @@ def gaussian_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) ->
     ``std`` is ``(B,)``; a zero std (deterministic step) gives log-prob 0 and is never divided
     by; a tiny nonzero std is clamped at ``MIN_STD`` so s^2 cannot underflow.
     """
-    s = _expand(std.clamp_min(MIN_STD), x)
+    s = expand_per_sample(std.clamp_min(MIN_STD), x)
     lp = -((x - mean) ** 2) / (2 * s**2) - torch.log(s) - 0.5 * math.log(2 * math.pi)
     lp = lp.mean(dim=tuple(range(1, x.ndim)))
     return torch.where(std > 0, lp, torch.zeros_like(lp))
@@ -134,22 +134,22 @@ def sde_step_with_logprob(
     batch = x.shape[0]
     sigma_t = _per_sample(sigma, batch, x.device)
     sigma_n = _per_sample(sigma_next, batch, x.device)
-    sig, sig_n = _expand(sigma_t, x), _expand(sigma_n, x)
+    sig, sig_n = expand_per_sample(sigma_t, x), expand_per_sample(sigma_n, x)
 
     if sde_type == "flow_sde":
         dt = sig_n - sig
-        std_t = _expand(flow_sde_std(sigma_t, sigma_n, noise_level, sigma_max), x)
+        std_t = expand_per_sample(flow_sde_std(sigma_t, sigma_n, noise_level, sigma_max), x)
         mean = x + (v + std_t**2 / (2 * sig) * (x + (1 - sig) * v)) * dt
         std = (std_t * torch.sqrt(-dt)).reshape(batch)
     else:
         std = sigma_n * math.sin(noise_level * math.pi / 2)
-        s = _expand(std, x)
+        s = expand_per_sample(std, x)
         x0 = x - sig * v
         x1 = x + (1 - sig) * v
         mean = x0 * (1 - sig_n) + x1 * torch.sqrt((sig_n**2 - s**2).clamp_min(0))
 
     if next_sample is None:
-        next_sample = mean + _expand(std, x) * randn_like_per_sample(x, generator)
+        next_sample = mean + expand_per_sample(std, x) * randn_like_per_sample(x, generator)
     next_sample = next_sample.float()
 
     if sde_type == "flow_sde":
@@ -180,7 +180,7 @@ def adams_bashforth2_velocity(
 def kl_between_means(mean: torch.Tensor, ref_mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
     """KL of two Gaussians sharing std s, per sample ``(B,)``:
     mean over non-batch dims of (mean - ref_mean)^2 / (2 s^2), s clamped at ``MIN_STD``."""
-    s = _expand(std.float().clamp_min(MIN_STD), mean)
+    s = expand_per_sample(std.float().clamp_min(MIN_STD), mean)
     kl = ((mean.float() - ref_mean.float()) ** 2) / (2 * s**2)
     kl = kl.mean(dim=tuple(range(1, mean.ndim)))
     return torch.where(std > 0, kl, torch.zeros_like(kl))

@@ -17,6 +17,7 @@ from genrl.acceleration import check_attention_backend_name
 from genrl.distributed import check_launched_processes, check_mixed_precision
 from genrl.errors import said_once
 from genrl.lr_schedule import parse_step_rules
+from genrl.objectives import OBJECTIVES, get_objective
 from genrl.rewards import check_reward_options, load_reward_options, parse_reward_spec
 from genrl.rollout import SamplingConfig, sde_window_start
 from genrl.sampler import check_batch_sizes
@@ -207,7 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="All K samples of a prompt start from the same noise.")
 
     group = parser.add_argument_group("objective and GRPO")
-    group.add_argument("--objective", choices=["grpo", "nft", "awm"], default=None,
+    group.add_argument("--objective", choices=list(OBJECTIVES), default=None,
                        help="Default grpo (the no-argument run: nft). grpo: clipped ratio loss on the recorded SDE transitions (needs --noise_level > 0). "
                             "nft: DiffusionNFT, awm: advantage-weighted flow matching; both train on the clean "
                             "samples noised again (any sampler, no log-probs).")
@@ -379,7 +380,8 @@ def parse_args(argv=None):
     known = parser.parse_known_args(argv)[0]
     if known.pretrained_model_name_or_path is None:
         objective = known.objective or DEFAULT_RUN["objective"]
-        defaults = {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE[objective]}
+        # An objective without a toy-run preset samples as the shared defaults say.
+        defaults = {**DEFAULT_RUN, **DEFAULT_RUN_BY_OBJECTIVE.get(objective, {})}
         if under_zero3():
             # A full frozen copy on every rank is what ZeRO-3 exists to avoid: under zero3.yaml the
             # no-argument run watches diversity and rewards without the drift from the reference.
@@ -432,47 +434,12 @@ def validate_args(args) -> None:
         raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {args.noise_level}.")
     if args.num_inference_steps < 1:
         raise ValueError(f"--num_inference_steps must be at least 1, got {args.num_inference_steps}.")
-    if args.objective == "grpo" and args.num_inference_steps < 2:
-        raise ValueError(
-            "--objective grpo trains on stochastic steps and the last sampling step is always deterministic, "
-            f"so it needs --num_inference_steps >= 2 (got {args.num_inference_steps})."
-        )
-    if args.objective == "grpo" and not args.noise_level > 0:
-        raise ValueError(
-            f"--objective grpo trains on stochastic steps and needs --noise_level > 0 (got {args.noise_level}); "
-            "--objective nft or awm train with any sampler, deterministic included."
-        )
-    if args.grpo_guard and (args.objective != "grpo" or args.sde_type != "flow_sde"):
-        raise ValueError(
-            f"--grpo_guard normalises GRPO's ratio of flow_sde steps; it does not apply to --objective {args.objective} "
-            f"with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop --grpo_guard)."
-        )
-    if args.grpo_guard_reweight and (args.objective != "grpo" or args.sde_type != "flow_sde"):
-        raise ValueError(
-            f"--grpo_guard_reweight weights GRPO's flow_sde steps by 1 / (T dt); it does not apply to --objective "
-            f"{args.objective} with --sde_type {args.sde_type} (use --objective grpo --sde_type flow_sde, or drop it)."
-        )
-    if args.sampling_policy_decay_rate < 0 or not 0 <= args.sampling_policy_decay_max < 1:
-        raise ValueError(
-            f"--sampling_policy_decay_rate must be >= 0 and --sampling_policy_decay_max in [0, 1), got "
-            f"{args.sampling_policy_decay_rate} and {args.sampling_policy_decay_max}."
-        )
-    if args.sampling_policy_decay_rate > 0 and args.objective == "grpo":
-        raise ValueError(
-            "--sampling_policy_decay_rate soft-updates the sampling policy of --objective nft or awm; GRPO samples "
-            "from the trained weights (its ratio's old policy is the rollout's)."
-        )
-    if args.train_sigma_range is not None:
-        lo, hi = args.train_sigma_range
-        if args.objective == "grpo":
-            raise ValueError(
-                "--train_sigma_range chooses the re-noised timesteps of --objective nft or awm; GRPO trains on its recorded "
-                "SDE steps (choose them with --sde_window_size and --sde_window_range)."
-            )
-        if not 0 <= lo < hi <= 1:
-            raise ValueError(f"--train_sigma_range {lo} {hi} must satisfy 0 <= LO < HI <= 1 (noise levels, 1: pure noise).")
-    if args.objective == "nft" and not args.nft_beta > 0:
-        raise ValueError(f"--nft_beta must be > 0, got {args.nft_beta}; 1.0 is DiffusionNFT's default.")
+    # Each objective checks its own flags: the chosen one that they fit, the others that theirs are not given.
+    objective = get_objective(args.objective)
+    for other in OBJECTIVES.values():
+        if other is not objective:
+            other.check_unused_args(args)
+    objective.check_args(args)
     if args.vae_decode_batch_size < 1:
         raise ValueError(f"--vae_decode_batch_size must be at least 1, got {args.vae_decode_batch_size}.")
     if args.sde_window_size < 0 or args.sde_window_size > args.num_inference_steps - 1:
@@ -559,9 +526,9 @@ def check_writable(folder: str) -> None:
 
 def num_trained_timesteps(args) -> int:
     """Timesteps each sample trains on: a fraction of the recorded SDE steps (grpo: the window,
-    or every step but the last, sigma' = 0) or of the sampling steps (nft, awm)."""
-    steps = (args.sde_window_size or args.num_inference_steps - 1) if args.objective == "grpo" else args.num_inference_steps
-    return max(1, int(steps * args.timestep_fraction + 1e-6))
+    or every step but the last, sigma' = 0) or of the sampling steps (nft, awm); the objective's
+    ``num_trained_timesteps``."""
+    return get_objective(args.objective).num_trained_timesteps(args)
 
 
 def sampling_configs(args) -> tuple[SamplingConfig, SamplingConfig]:

@@ -9,14 +9,18 @@ gradient norm is clipped, the NaN guard decides on every rank whether the optimi
 the global step counts up and the EMA steps (every ``ema_update_interval`` optimizer steps).
 The update ends early when the global step reaches ``max_train_steps``.
 
-- ``grpo``: the loss of the recorded SDE transitions (``genrl.objectives.grpo_step_loss``), at
-  each sample's own shuffled ``timestep_fraction`` of its stochastic steps.
+What is trained is the objective's (``genrl.objectives``): what it prepares from the epoch's
+samples before the weights move, which timesteps each sample trains at, and the loss of a micro
+batch at one of them.
+
+- ``grpo``: the loss of the recorded SDE transitions (``genrl.objectives.grpo``), at each
+  sample's own shuffled ``timestep_fraction`` of its stochastic steps.
 - ``nft`` / ``awm``: the clean samples noised again at ``num_timesteps`` drawn steps of the
-  sampling schedule (``genrl.objectives.draw_forward_batch``); NFT first records the sampling
-  policy's velocities there, before the weights move. On-policy, the first optimizer step's
-  passes still run on the sampling weights and take them from their own forward instead, so
-  only the later passes' are recorded (with one optimizer step per epoch, none; with more inner
-  epochs every sample comes back later, so each is recorded once).
+  sampling schedule (``genrl.objectives.forward``); NFT first records the sampling policy's
+  velocities there, before the weights move. On-policy, the first optimizer step's passes still
+  run on the sampling weights and take them from their own forward instead, so only the later
+  passes' are recorded (with one optimizer step per epoch, none; with more inner epochs every
+  sample comes back later, so each is recorded once).
 """
 
 from __future__ import annotations
@@ -28,55 +32,12 @@ from typing import Iterator
 import torch
 
 from genrl.ema import EMA
-from genrl.grpo import select_train_timesteps
 from genrl.nan_guard import NonFiniteGuard, is_finite
 from genrl.nft import soft_update_decay
-from genrl.objectives import ForwardBatch, draw_forward_batch, fill_old_velocity, forward_step_loss, grpo_step_loss
+from genrl.objectives import UpdateConfig, get_objective
 from genrl.policies.base import FlowPolicy
 from genrl.rollout import Rollout, SamplingConfig
 from genrl.seeding import mix_seeds
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    """How the update trains (the flags of the same names).
-
-    objective: "grpo", "nft" or "awm".
-    micro_batch_size: samples per micro batch (``--train_batch_size``).
-    num_timesteps: trained timesteps per sample (``num_trained_timesteps``).
-    num_inner_epochs: passes over the epoch's kept samples.
-    timestep_fraction, shuffle_timesteps: GRPO's choice of recorded steps per sample.
-    num_inference_steps: the sampling schedule the forward process draws from (nft, awm).
-    train_sigma_range: (lo, hi): nft and awm draw their trained timesteps among the sampling
-        steps whose sigma lies in [lo, hi] (None: all of them).
-    max_train_steps: stop when the global step reaches it (None: never).
-    guidance_scale: the rollouts' CFG scale (GRPO recomputes guided log-probs; nft and awm
-        train the conditional velocity).
-    clip_range, kl_form, grpo_guard, grpo_guard_reweight: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
-    sampling_decay_rate, sampling_decay_max: the soft update of the sampling policy (nft, awm;
-        ``genrl.nft.soft_update_decay``).
-    """
-
-    objective: str
-    micro_batch_size: int
-    num_timesteps: int
-    num_inference_steps: int
-    guidance_scale: float
-    max_grad_norm: float
-    clip_range: float
-    adv_clip_max: float
-    num_inner_epochs: int = 1
-    timestep_fraction: float = 1.0
-    shuffle_timesteps: bool = True
-    max_train_steps: int | None = None
-    beta: float = 0.0
-    kl_form: str = "transition"
-    nft_beta: float = 1.0
-    grpo_guard: bool = False
-    grpo_guard_reweight: bool = False
-    sampling_decay_rate: float = 0.0
-    sampling_decay_max: float = 0.5
-    train_sigma_range: tuple[float, float] | None = None
 
 
 @dataclass
@@ -111,64 +72,25 @@ def micro_steps(
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor | int]]:
     """``(idx, timestep)`` of every backward pass of the update, in order: per inner epoch a
     fresh shuffle of ``kept`` ``(k,)`` cut into micro batches ``idx`` ``(b,)``, each visited at
-    every trained timestep column j. GRPO's timestep is ``(b,)``, each sample's own recorded
-    step (of ``num_recorded_steps``); nft's and awm's is the column j of the forward batch."""
-    micro, grpo = config.micro_batch_size, config.objective == "grpo"
+    every trained timestep column j. The timestep is ``(b,)``, each sample's own of the
+    objective's ``draw_timesteps`` (GRPO's recorded steps, of ``num_recorded_steps``), or the
+    column j itself where the objective draws none (nft's and awm's forward batch)."""
+    micro, objective = config.micro_batch_size, get_objective(config.objective)
     for _ in range(config.num_inner_epochs):
         order = kept[torch.randperm(len(kept), generator=generator)]
-        if grpo:  # (k, num_timesteps) recorded-step indices, drawn after the shuffle
-            train_steps = select_train_timesteps(
-                len(order), num_recorded_steps, config.timestep_fraction, generator, shuffle=config.shuffle_timesteps
-            )
+        timesteps = objective.draw_timesteps(len(order), num_recorded_steps, config, generator)  # after the shuffle
         for start in range(0, len(order), micro):
             for j in range(config.num_timesteps):
-                yield order[start : start + micro], (train_steps[start : start + micro, j] if grpo else j)
-
-
-def informative_rows(
-    idx: torch.Tensor, steps: torch.Tensor, advantages: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, float]:
-    """GRPO without a KL term: the samples of micro batch ``idx`` ``(b,)`` whose advantage is
-    non-zero, their recorded ``steps`` ``(b,)``, and the factor b'/b that keeps the loss the
-    micro batch's mean (``advantages`` ``(B,)``, the whole rollout's):
-
-        L = (1/b) sum_i l_i = (b'/b) (1/b') sum_{i: A_i != 0} l_i,
-
-    since l_i = max(-A_i r_i, -A_i clip(r_i)) and its gradient are 0 when A_i = 0, whatever the
-    ratio r_i. So the zero-advantage samples (the padding of ``--filter_zero_advantage``, whole
-    groups of equal rewards) cost no forward pass. With no informative sample: the first one
-    and factor 0, so that every rank still runs its backward pass (DDP and ZeRO reduce there)."""
-    nonzero = advantages[idx] != 0
-    if not bool(nonzero.any()):
-        return idx[:1], steps[:1], 0.0
-    return idx[nonzero], steps[nonzero], int(nonzero.sum()) / len(idx)
-
-
-def prepare_forward_batch(
-    policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, record: list[torch.Tensor], *, config: UpdateConfig,
-    seed: int, epoch: int, device: torch.device,
-) -> ForwardBatch:
-    """nft, awm: the rollout's clean samples noised again at ``config.num_timesteps`` steps of the
-    sampling schedule each; for nft with the sampling policy's velocities there, recorded in
-    the micro batches ``record`` (sample indices ``(b,)`` each; the same number of forwards on
-    every rank)."""
-    schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, device)
-    batch = draw_forward_batch(
-        rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch, sigma_range=config.train_sigma_range
-    )
-    if config.objective == "nft":  # the sampling policy's velocities, before the weights move
-        model.eval()
-        fill_old_velocity(policy, model, batch, rollout.embeds, record, config.guidance_scale)
-        model.train()
-    return batch
+                yield order[start : start + micro], (j if timesteps is None else timesteps[start : start + micro, j])
 
 
 def micro_steps_before_the_weights_move(accelerator, config: UpdateConfig, on_policy: bool) -> int:
     """How many of the update's first backward passes run on the weights that sampled the
-    rollout: on-policy NFT, from an accumulation boundary, the whole first optimizer step
-    (Accelerate's ``gradient_accumulation_steps`` passes); otherwise none. Those passes take
-    NFT's old velocity from their own forward, so it is recorded only for the later ones."""
-    if config.objective != "nft" or not on_policy:
+    rollout, where the objective's loss reads the sampling policy's outputs (NFT's old velocity):
+    on-policy, from an accumulation boundary, the whole first optimizer step (Accelerate's
+    ``gradient_accumulation_steps`` passes); otherwise none. Those passes take the sampling
+    outputs from their own forward, so they are recorded only for the later ones."""
+    if not get_objective(config.objective).uses_sampling_outputs or not on_policy:
         return 0
     per_step = accelerator.gradient_accumulation_steps
     whole_micro_batches = per_step % config.num_timesteps == 0
@@ -176,15 +98,16 @@ def micro_steps_before_the_weights_move(accelerator, config: UpdateConfig, on_po
 
 
 def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler, guard: NonFiniteGuard, *,
-                   step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
+                   global_step: int, losses_finite: bool, max_grad_norm: float) -> tuple[bool, torch.Tensor | float | None]:
     """After a backward pass: ``(applied, grad norm)``. At an accumulation boundary the norm is
-    clipped and the guard decides on every rank whether step ``step`` is applied; a skipped step
-    leaves the weights of the last finite one (DeepSpeed has already skipped its own step on a
-    non-finite norm). Between boundaries Accelerate's wrappers make the steps no-ops."""
+    clipped and the guard decides on every rank whether optimizer step ``global_step`` is
+    applied; a skipped step leaves the weights of the last finite one (DeepSpeed has already
+    skipped its own step on a non-finite norm). Between boundaries Accelerate's wrappers make
+    the steps no-ops."""
     norm, applied = None, True
     if accelerator.sync_gradients:
         norm = accelerator.clip_grad_norm_(model.parameters(), max_grad_norm)
-        applied = guard.check_step(accelerator, step, losses_finite, norm)
+        applied = guard.check_step(accelerator, global_step, losses_finite, norm)
     if applied:
         optimizer.step()
         lr_scheduler.step()
@@ -219,43 +142,33 @@ def update_policy(
     ``sampling_policy``: the soft-updated weights the rollout was sampled with (nft, awm); NFT's
     old velocities come from them, and they step towards the trained weights after every
     optimizer step."""
+    objective = get_objective(config.objective)
     model.train()
     generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
     plan = list(micro_steps(kept, rollout.num_steps, config, generator))
     fresh = micro_steps_before_the_weights_move(accelerator, config, on_policy=sampling_policy is None)
-    forward_batch = None
-    if config.objective != "grpo":
+    record = []
+    if objective.uses_sampling_outputs:
         # Each later micro batch once (its first of num_timesteps consecutive passes). With more
         # inner epochs every sample comes back after the weights move: record each sample once.
         if config.num_inner_epochs == 1:
             record = [idx for idx, _ in plan[fresh :: config.num_timesteps]]
         else:
             record = list(kept.split(config.micro_batch_size))
-        with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
-            forward_batch = prepare_forward_batch(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
-                                                  device=accelerator.device)
+    with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+        prepared = objective.prepare(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
+                                     device=accelerator.device)
     result = UpdateResult(global_step)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
-    for n, (idx, step) in enumerate(plan):
+    for n, (idx, timestep) in enumerate(plan):
         with accelerator.accumulate(model):
-            if config.objective == "grpo":
-                # Without a KL term a zero-advantage sample adds nothing to the loss or its gradient.
-                rows, row_steps, scale = (idx, step, 1.0) if config.beta > 0 else informative_rows(idx, step, advantages)
-                loss, stats = grpo_step_loss(
-                    policy, model, rollout, rows, row_steps, advantages, config=sampling, clip_range=config.clip_range,
-                    beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
-                    guard=config.grpo_guard, reweight=config.grpo_guard_reweight,
-                )
-                loss = loss * scale
-            else:
-                loss, stats = forward_step_loss(
-                    policy, model, forward_batch, rollout.embeds, idx, step, advantages, objective=config.objective,
-                    guidance_scale=config.guidance_scale, adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta,
-                    beta=config.beta, frozen_reference=frozen_reference, old_is_current=n < fresh,
-                )
+            loss, stats = objective.loss(
+                policy, model, rollout, prepared, idx, timestep, advantages, config=config, sampling=sampling,
+                frozen_reference=frozen_reference, old_is_current=n < fresh,
+            )
             losses_finite = losses_finite and is_finite(loss)
             accelerator.backward(loss)
-            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, step=result.global_step + 1,
+            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, global_step=result.global_step + 1,
                                            losses_finite=losses_finite, max_grad_norm=config.max_grad_norm)
             if applied and norm is not None:
                 result.grad_norms.append(float(norm))

@@ -9,11 +9,12 @@ import torch
 from genrl.nft import awm_loss, forward_noise
 from genrl.errors import SetupError
 from genrl.objectives import (
+    awm_step_loss,
     check_sigma_range_holds,
     draw_forward_batch,
     fill_old_velocity,
-    forward_step_loss,
     grpo_step_loss,
+    nft_step_loss,
     reference_model,
     steps_in_sigma_range,
 )
@@ -103,7 +104,7 @@ def test_a_sigma_range_too_narrow_for_the_schedule_is_one_sentence_at_start_up(p
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, policies):
-    """fill_old_velocity and forward_step_loss must ask for the same (conditional) velocity:
+    """fill_old_velocity and nft_step_loss must ask for the same (conditional) velocity:
     the old policy is the current one, so the deviation is 0 and the gradient is AWM's."""
     policy = policies[family]
     rollout, config = _rollout(policy, guidance_scale=3.0)
@@ -113,9 +114,9 @@ def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, po
     fill_old_velocity(policy, policy.transformer, batch, rollout.embeds, order, config.guidance_scale)
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     idx = torch.tensor([0, 3])
-    loss, stats = forward_step_loss(
+    loss, stats = nft_step_loss(
         policy, policy.transformer, batch, rollout.embeds, idx, 1, advantages,
-        objective="nft", guidance_scale=config.guidance_scale, adv_clip_max=5.0,
+        guidance_scale=config.guidance_scale, adv_clip_max=5.0,
     )
     assert torch.isfinite(loss) and stats["old_deviation"].item() < 1e-10
     policy.transformer.zero_grad()
@@ -127,9 +128,9 @@ def test_nft_is_on_policy_right_after_the_old_velocities_are_recorded(family, po
     # Before the weights move, the old velocity may come from the trained forward itself (what the
     # update does for the first optimizer step of an on-policy epoch): the same loss and gradient.
     batch.old_velocity = None
-    current, _ = forward_step_loss(
+    current, _ = nft_step_loss(
         policy, policy.transformer, batch, rollout.embeds, idx, 1, advantages,
-        objective="nft", guidance_scale=config.guidance_scale, adv_clip_max=5.0, old_is_current=True,
+        guidance_scale=config.guidance_scale, adv_clip_max=5.0, old_is_current=True,
     )
     torch.testing.assert_close(current, loss, rtol=1e-6, atol=1e-7)
     current.backward()
@@ -157,9 +158,8 @@ def test_awm_step_is_the_advantage_weighted_flow_matching_loss(policies):
     advantages = torch.tensor([1.0, -1.0, 0.5, -0.5])
     idx = torch.tensor([1, 2])
     with torch.no_grad():
-        loss, _ = forward_step_loss(
-            policy, policy.transformer, batch, rollout.embeds, idx, 0, advantages,
-            objective="awm", guidance_scale=config.guidance_scale, adv_clip_max=5.0,
+        loss, _ = awm_step_loss(
+            policy, policy.transformer, batch, rollout.embeds, idx, 0, advantages, guidance_scale=config.guidance_scale,
         )
         embeds = {k: v[idx] for k, v in rollout.embeds.items()}
         velocity = policy.predict_velocity(policy.transformer, batch.noisy[idx, 0], batch.timesteps[idx, 0], embeds, 1.0)
@@ -173,8 +173,8 @@ def test_nft_without_old_velocities_fails_with_a_sentence(policies):
     schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
     batch = draw_forward_batch(rollout, *schedule, 1, seed=0, epoch=1)
     with pytest.raises(ValueError, match="fill_old_velocity"):
-        forward_step_loss(policy, policy.transformer, batch, rollout.embeds, torch.tensor([0]), 0, torch.zeros(4),
-                          objective="nft", guidance_scale=3.0, adv_clip_max=5.0)
+        nft_step_loss(policy, policy.transformer, batch, rollout.embeds, torch.tensor([0]), 0, torch.zeros(4),
+                      guidance_scale=3.0, adv_clip_max=5.0)
 
 
 def test_reference_model_switches_the_adapter_back_on_even_after_an_error():
@@ -211,7 +211,7 @@ def test_grpo_step_loss_ratio_is_one_on_the_recorded_transitions(policies):
 def test_zero_advantage_samples_leave_grpos_forward_and_the_gradient_stays(policies):
     """Without a KL term GRPO trains only the informative rows, scaled by b'/b: the same
     gradient as the whole micro batch, for half the transformer's rows here."""
-    from genrl.update import informative_rows
+    from genrl.objectives.grpo import informative_rows
 
     policy = policies["sd3"]
     rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)

@@ -18,7 +18,6 @@ exception in a reward surfaces here, in the main thread, naming the reward.
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Mapping, Sequence
 
@@ -47,7 +46,7 @@ class RewardScorer:
     """Scores rollout batches with ``reward_fn(samples, prompts, metadata)``, sync or async.
 
     ``empty_cache`` (default ``torch.cuda.empty_cache`` where CUDA is available) is called
-    once per sync `collect`. ``wait_s`` holds the seconds the last `collect` spent.
+    once per sync `collect`.
     """
 
     def __init__(
@@ -63,7 +62,6 @@ class RewardScorer:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}.")
         self.reward_fn, self.mode = reward_fn, mode
         self.empty_cache = empty_cache or _empty_device_cache
-        self.wait_s = 0.0
         self._pending: list[Future | tuple] = []
         self._executor = None
         if mode == "async":
@@ -80,7 +78,6 @@ class RewardScorer:
     def collect(self) -> list[dict[str, torch.Tensor]]:
         """Scores of every batch submitted since the last collect, in submission order."""
         pending, self._pending = self._pending, []
-        start = time.perf_counter()
         try:
             if self._executor is not None:
                 return [future.result() for future in pending]
@@ -93,8 +90,6 @@ class RewardScorer:
                 if isinstance(item, Future):
                     item.cancel()
             raise
-        finally:
-            self.wait_s = time.perf_counter() - start
 
     def _score(self, samples: Any, prompts: list[str], metadata: Any) -> dict[str, torch.Tensor]:
         try:

@@ -1,89 +1,26 @@
-"""The loss of one micro batch at one trained timestep, for each training objective.
+"""What the likelihood-free objectives (``nft``, ``awm``) share: they train on a rollout's clean
+final latents, noised again by the forward process at drawn steps of the sampling schedule
+(``genrl.nft.forward_noise``), so they need no log-probs and work with any sampler.
 
-``--objective grpo`` trains on the recorded SDE transitions of a rollout (their log-probs);
-``nft`` and ``awm`` train on its clean final latents, noised again by the forward process
-(``genrl.nft``). The update loop (``genrl.update``) is the same for all three: it picks the
-samples of a micro batch and a timestep column, calls ``grpo_step_loss`` or
-``forward_step_loss``, and steps the optimizer.
+``ForwardObjective`` draws those noised samples once per epoch (``draw_forward_batch``) and
+computes a loss of the trained policy's conditional velocity there (``forward_step_loss``);
+each subclass gives the loss of that velocity.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+import argparse
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from genrl.errors import SetupError
-from genrl.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio
-from genrl.nft import awm_loss, forward_noise, nft_loss, velocity_kl
-from genrl.policies.base import FlowPolicy, unwrap_module
-from genrl.rollout import Rollout, SamplingConfig, step_log_prob
-from genrl.sde import kl_between_means, kl_in_form
+from genrl.nft import forward_noise, velocity_kl
+from genrl.objectives.base import Objective, UpdateConfig, check_soft_update_flags, reference_model
+from genrl.policies.base import FlowPolicy
+from genrl.rollout import Rollout, SamplingConfig
 from genrl.seeding import forward_generator
-
-
-@contextmanager
-def reference_model(model: torch.nn.Module, frozen_copy: torch.nn.Module | None) -> Iterator[torch.nn.Module]:
-    """The reference policy of the KL term: ``frozen_copy`` for full fine-tuning, else
-    ``model`` with its LoRA adapter switched off (and on again, even if the body raises)."""
-    if frozen_copy is not None:
-        yield frozen_copy
-        return
-    inner = unwrap_module(model)
-    inner.disable_adapters()
-    try:
-        yield model
-    finally:
-        inner.enable_adapters()
-
-
-def grpo_step_loss(
-    policy: FlowPolicy,
-    model: torch.nn.Module,
-    rollout: Rollout,
-    idx: torch.Tensor,
-    steps: torch.Tensor,
-    advantages: torch.Tensor,
-    *,
-    config: SamplingConfig,
-    clip_range: float,
-    beta: float = 0.0,
-    frozen_reference: torch.nn.Module | None = None,
-    kl_form: str = "transition",
-    guard: bool = False,
-    reweight: bool = False,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """GRPO loss of samples ``idx`` ``(b,)`` at their recorded steps ``steps`` ``(b,)`` (column
-    indices into the rollout's ``(B, S)`` records); ``advantages`` ``(B,)`` of the whole rollout.
-    With ``beta`` > 0 the KL to the reference policy's SDE mean is added, in ``kl_form``
-    (``genrl.sde.kl_in_form``). ``guard``: GRPO-Guard's normalised ratio
-    (``genrl.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps).
-    ``reweight``: GRPO-Guard's per-timestep weights 1 / (T dt) (``genrl.grpo.guard_timestep_weights``)."""
-    embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
-    transition = (
-        rollout.latents[idx, steps], rollout.next_latents[idx, steps], rollout.timesteps[idx, steps],
-        rollout.sigmas[idx, steps], rollout.sigmas_next[idx, steps], embeds,
-    )
-    out = step_log_prob(policy, model, *transition, config=config, sigma_max=rollout.sigma_max)
-    kl = None
-    if beta > 0:
-        with torch.no_grad(), reference_model(model, frozen_reference) as ref:
-            ref_out = step_log_prob(policy, ref, *transition, config=config, sigma_max=rollout.sigma_max)
-        kl = kl_in_form(kl_between_means(out.mean, ref_out.mean, out.std), transition[3], transition[4], kl_form)
-    old = rollout.log_probs[idx, steps].to(out.log_prob.device)
-    log_ratio = None
-    if guard:
-        if rollout.means is None or config.sde_type != "flow_sde":
-            raise ValueError("GRPO-Guard's ratio needs the rollout's recorded SDE means of flow_sde steps.")
-        old_mean = rollout.means[idx, steps].to(out.mean.device)
-        log_ratio = guarded_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
-    weights = None
-    if reweight:
-        weights = guard_timestep_weights(transition[3], transition[4], config.num_inference_steps).to(out.log_prob.device)
-    adv = advantages[idx].to(out.log_prob.device)
-    return grpo_loss(out.log_prob, old, adv, clip_range, kl=kl, beta=beta, log_ratio=log_ratio, weights=weights)
 
 
 @dataclass
@@ -217,41 +154,20 @@ def forward_step_loss(
     idx: torch.Tensor,
     column: int,
     advantages: torch.Tensor,
+    velocity_loss: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
     *,
-    objective: str,
     guidance_scale: float,
-    adv_clip_max: float,
-    nft_beta: float = 1.0,
     beta: float = 0.0,
     frozen_reference: torch.nn.Module | None = None,
-    old_is_current: bool = False,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """NFT or AWM loss of samples ``idx`` ``(b,)`` at their ``column``-th drawn timestep, from
-    the conditional velocity; ``advantages`` ``(B,)``. With ``beta`` > 0, + beta mean (v - v_ref)^2.
-
-    ``old_is_current``: the weights are still those that sampled the rollout (on-policy, before
-    the epoch's first optimizer step), so NFT's old velocity is this forward's, detached, and
-    needs no recorded one."""
+    """The loss of samples ``idx`` ``(b,)`` at their ``column``-th drawn timestep:
+    ``velocity_loss(velocity, adv)`` of the conditional velocity ``(b, ...)`` at x_t and their
+    advantages ``(b,)`` (of ``advantages`` ``(B,)``). With ``beta`` > 0, + beta mean (v - v_ref)^2."""
     sub = {k: v[idx.to(v.device)] for k, v in embeds.items()}
-    noisy, t, sigma = batch.noisy[idx, column], batch.timesteps[idx, column], batch.sigmas[idx, column]
+    noisy, t = batch.noisy[idx, column], batch.timesteps[idx, column]
     guidance = policy.conditional_guidance(guidance_scale)
     velocity = policy.predict_velocity(model, noisy, t, sub, guidance)
-    adv = advantages[idx].to(velocity.device)
-    if objective == "nft":
-        if old_is_current:
-            old_velocity = velocity.detach()
-        elif batch.old_velocity is None:
-            raise ValueError("NFT needs the sampling policy's velocities; call fill_old_velocity first.")
-        else:
-            old_velocity = batch.old_velocity[idx, column]
-        loss, stats = nft_loss(
-            velocity, old_velocity, noisy, batch.clean[idx], sigma, adv,
-            nft_beta=nft_beta, adv_clip_max=adv_clip_max,
-        )
-    elif objective == "awm":
-        loss, stats = awm_loss(velocity, noisy, batch.clean[idx], batch.noise[idx, column], adv)
-    else:
-        raise ValueError(f"forward_step_loss trains 'nft' or 'awm', not {objective!r}.")
+    loss, stats = velocity_loss(velocity, advantages[idx].to(velocity.device))
     if beta > 0:
         with torch.no_grad(), reference_model(model, frozen_reference) as ref:
             ref_velocity = policy.predict_velocity(ref, noisy, t, sub, guidance)
@@ -259,3 +175,30 @@ def forward_step_loss(
         loss = loss + beta * kl
         stats["kl"] = kl.detach()
     return loss, stats
+
+
+class ForwardObjective(Objective):
+    """An objective on the clean samples noised again at ``num_timesteps`` drawn steps of the
+    sampling schedule (``--timestep_fraction`` of them, among those in ``--train_sigma_range``),
+    sampled by the trained weights or a soft-updated copy (``--sampling_policy_decay_rate``)."""
+
+    def check_args(self, args: argparse.Namespace) -> None:
+        check_soft_update_flags(args)
+        if args.train_sigma_range is not None:
+            lo, hi = args.train_sigma_range
+            if not 0 <= lo < hi <= 1:
+                raise ValueError(f"--train_sigma_range {lo} {hi} must satisfy 0 <= LO < HI <= 1 (noise levels, 1: pure noise).")
+
+    def timestep_pool(self, args: argparse.Namespace) -> int:
+        return args.num_inference_steps
+
+    def prepare(
+        self, policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, record: list[torch.Tensor], *,
+        config: UpdateConfig, seed: int, epoch: int, device: torch.device,
+    ) -> ForwardBatch:
+        """The rollout's clean samples noised again at ``config.num_timesteps`` steps of the
+        sampling schedule each."""
+        schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, device)
+        return draw_forward_batch(
+            rollout, *schedule, config.num_timesteps, seed=seed, epoch=epoch, sigma_range=config.train_sigma_range
+        )
