@@ -26,7 +26,7 @@ import torch
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.console import close_progress_bars, hide_loading_bars, planned_steps, progress_postfix, silence_known_noise
+from genrl.console import close_progress_bars, hide_loading_bars, progress_postfix, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
@@ -58,9 +58,10 @@ from genrl.redact import redact_argv
 from genrl.reward_watch import RewardWatch, watched_rewards
 from genrl.rewards import build_eval_reward_fn, build_reward_fn, clear_reward_models, load_reward_options
 from genrl.rewards.lifecycle import describe_reward_models
-from genrl.sampler import PromptGroupSampler, trained_samples_per_epoch
+from genrl.sampler import PromptGroupSampler
+from genrl.schedule import RunSchedule, backward_passes_per_step
 from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_flops, throughput_logs
-from genrl.train_args import num_trained_timesteps, parse_args, sampling_configs
+from genrl.train_args import parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
 from genrl.update import update_policy
@@ -84,14 +85,13 @@ def main(args, held: ExitStack | None = None):
         raise SystemExit(said_once(f"train_genrl.py: error: {e}") or 1)
 
     # ---- Accelerator -------------------------------------------------------------------
-    num_timesteps = num_trained_timesteps(args)
     accelerator = build_accelerator(
         output_dir=args.output_dir, logging_dir=args.logging_dir, mixed_precision=args.mixed_precision,
-        # Every trained timestep of every micro batch is one backward pass of the accumulation.
-        gradient_accumulation_steps=args.gradient_accumulation_steps * num_timesteps,
+        gradient_accumulation_steps=backward_passes_per_step(args),
         log_with=args.report_to, collective_timeout_s=args.collective_timeout,
     )
     configure_deepspeed(accelerator, micro_batch_size=args.train_batch_size, max_grad_norm=args.max_grad_norm)
+    schedule = RunSchedule.from_args(args, num_processes=accelerator.num_processes, num_prompts=len(train_set))
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     logger.info(
         f"process {accelerator.process_index} of {accelerator.num_processes} on {accelerator.device} "
@@ -177,7 +177,7 @@ def main(args, held: ExitStack | None = None):
     )
     sampling, eval_sampling = sampling_configs(args)
     if args.train_sigma_range:  # too few steps in the range: one sentence now, not after the first rollout
-        check_sigma_range_holds(policy, sampling, num_timesteps, tuple(args.train_sigma_range))
+        check_sigma_range_holds(policy, sampling, schedule.timesteps_per_sample, tuple(args.train_sigma_range))
     # Speed levers (--attention_backend, --compile) on the trained transformer and the frozen copy,
     # after the LoRA set-up; the FLOPs of one sequence through it are counted first, on the bare
     # module, and the tally counts the sequences each epoch sends through it (perf/* metrics).
@@ -220,7 +220,7 @@ def main(args, held: ExitStack | None = None):
             shadow.settle = partial(settle_zero3_params, model)
 
     update_config = UpdateConfig(
-        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=num_timesteps,
+        objective=args.objective, micro_batch_size=args.train_batch_size, num_timesteps=schedule.timesteps_per_sample,
         num_inference_steps=args.num_inference_steps, guidance_scale=args.guidance_scale,
         max_grad_norm=args.max_grad_norm, clip_range=args.clip_range, adv_clip_max=args.adv_clip_max,
         num_inner_epochs=args.num_inner_epochs, timestep_fraction=args.timestep_fraction,
@@ -268,26 +268,12 @@ def main(args, held: ExitStack | None = None):
     watch = RewardWatch.from_metrics(metrics_path if resume_path and accelerator.is_main_process else "", trained=trained,
                                      held_out=held_out, patience=args.watch_patience,
                                      diversity_fraction=args.watch_diversity_fraction)
-    sampled_per_epoch = args.rollout_batch_size * args.rollout_batches_per_epoch
-    trained_per_epoch = trained_samples_per_epoch(args.rollout_batch_size, args.rollout_batches_per_epoch, args.group_size,
-                                                  args.train_samples_per_group)
-    logger.info(
-        f"{len(train_set)} prompts, {accelerator.num_processes} processes, group size {args.group_size}, "
-        f"{sampled_per_epoch} samples per process per epoch"
-        + (f" ({trained_per_epoch} trained: the {args.train_samples_per_group} of each group whose rewards vary most)"
-           if args.train_samples_per_group else "")
-        + f", {num_timesteps} trained timesteps per sample"
-    )
+    logger.info(schedule.summary())
     # One bar over the whole run (optimizer steps, ETA, latest rewards); per-phase bars would
     # print two lines per epoch.
     progress = tqdm(
-        total=planned_steps(
-            num_epochs=args.num_epochs, max_train_steps=args.max_train_steps,
-            samples_per_epoch=trained_per_epoch,
-            train_batch_size=args.train_batch_size, gradient_accumulation_steps=args.gradient_accumulation_steps,
-            num_inner_epochs=args.num_inner_epochs,
-        ),
-        initial=global_step, desc="training", unit="step", disable=not accelerator.is_main_process,
+        total=schedule.planned_steps, initial=global_step, desc="training", unit="step",
+        disable=not accelerator.is_main_process,
     )
     last_eval = evaluate_now(step=global_step, epoch=first_epoch) if args.eval_steps and first_epoch == 0 else {}
     watch_evaluation(accelerator, watch, last_eval, step=global_step)
@@ -368,7 +354,7 @@ def main(args, held: ExitStack | None = None):
             "train/lr": lr_scheduler.get_last_lr()[0], "memory/peak_gb": peak_memory_gb(device),
             **scored.timings, "time/train_s": train_seconds, "time/elapsed_s": time.perf_counter() - launch_time,
             **throughput_logs(
-                samples=args.rollout_batch_size * args.rollout_batches_per_epoch * accelerator.num_processes,
+                samples=schedule.samples_per_epoch_all_processes,
                 epoch_seconds=epoch_seconds, rollout=PhaseFigures(scored.timings["time/rollout_s"], rollout_flops),
                 update=PhaseFigures(train_seconds, tally.take()), peak_tflops=args.peak_tflops,
             ),

@@ -87,22 +87,6 @@ def close_progress_bars() -> None:
         bar.close()
 
 
-def planned_steps(
-    *,
-    num_epochs: int,
-    max_train_steps: int | None,
-    samples_per_epoch: int,
-    train_batch_size: int,
-    gradient_accumulation_steps: int,
-    num_inner_epochs: int,
-) -> int:
-    """Optimizer steps the run will take, for the progress bar: ``--max_train_steps`` or every
-    epoch's steps, whichever comes first (``--filter_zero_advantage`` may make it fewer)."""
-    per_epoch = max(1, num_inner_epochs * (samples_per_epoch // train_batch_size) // gradient_accumulation_steps)
-    total = num_epochs * per_epoch
-    return min(total, max_train_steps) if max_train_steps is not None else total
-
-
 def _reward_means(values: Mapping[str, float], prefix: str) -> dict[str, float]:
     """``{name: mean}`` of the ``<prefix>/<name>_mean`` keys, without "total" when it repeats the
     one reward it sums (it then carries no news)."""

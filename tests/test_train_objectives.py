@@ -131,7 +131,7 @@ def test_two_processes_train_only_the_max_variance_samples_of_each_group(tiny_sd
     args[args.index("--group_size") + 1] = "8"
     args[args.index("--rollout_batch_size") + 1] = "8"
     proc = run_script("train_genrl.py", args, config="zero2", num_processes=2)
-    assert "8 samples per process per epoch (4 trained: the 4 of each group whose rewards vary most)" in proc.stderr
+    assert "Samples per process per epoch = 8 (4 trained: the 4 of each group whose rewards vary most)" in proc.stderr
     lines = train_lines(out)
     # 4 trained samples x 2 timesteps in micro batches of 2: 4 backward passes, 2 to an optimizer step.
     assert [l["step"] for l in lines] == [2, 4]
