@@ -1,4 +1,4 @@
-"""One training epoch's phases in the setting issue 10 compares with Flow-GRPO's train_sd3.py.
+"""One training epoch's phases in a setting matched with Flow-GRPO's train_sd3.py.
 
 The shipped toy model (genrl/assets/toy-shapes-t2i), one process, one torch thread: 16 train
 prompts x 8 samples per epoch (rollout batch 32 x 4), micro batch 32 x gradient accumulation
@@ -38,7 +38,7 @@ from common import emit
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# The matched setting (issue 10), on top of the shipped model and its train prompts.
+# The matched setting, on top of the shipped model and its train prompts.
 MATCHED = [
     "--group_size", "8", "--rollout_batch_size", "32", "--rollout_batches_per_epoch", "4",
     "--train_batch_size", "32", "--gradient_accumulation_steps", "2", "--num_inference_steps", "10",

@@ -1,4 +1,4 @@
-"""Flow-GRPO's ``train_sd3.py`` and ``train_genrl.py`` side by side, one epoch of issue 10's
+"""Flow-GRPO's ``train_sd3.py`` and ``train_genrl.py`` side by side, one epoch of the
 matched work at a time, on the CPU.
 
 Both run the shipped toy model (genrl/assets/toy-shapes-t2i), one process, one torch thread,
@@ -9,7 +9,7 @@ that a machine's slow minutes fall on both sides, and the epochs after the first
 with their medians and each genrl setting's ratio to Flow-GRPO.
 
 Flow-GRPO is not vendored: point ``--flow_grpo_dir`` at a checkout of
-https://github.com/yifan123/flow_grpo (issue 10 used commit ac4c86e) and install what its
+https://github.com/yifan123/flow_grpo (the comparison used commit ac4c86e) and install what its
 script imports (``pip install ml_collections absl-py wandb``; wandb runs disabled). Its files
 are not edited; at run time this script only
 - clamps the tokenizers' ``max_length`` to what the toy text encoders take (CLIP 12 tokens, T5

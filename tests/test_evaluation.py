@@ -218,7 +218,7 @@ def test_noise_level_of_the_training_config_is_ignored(policy, reward_fn):
 
 
 def test_keep_samples_are_spread_over_the_evaluated_prompts(policy, reward_fn):
-    """The logged grid covers the whole prompt set, not only its first kind (issue 14.8)."""
+    """The logged grid covers the whole prompt set, not only its first kind."""
     everything = _evaluate(policy, reward_fn, max_batches=2)
     some = _evaluate(policy, reward_fn, max_batches=2, keep_samples=2)
     none = _evaluate(policy, reward_fn, max_batches=2, keep_samples=0)

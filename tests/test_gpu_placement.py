@@ -1,4 +1,4 @@
-"""More processes than GPUs on one machine (issue 9.8): the scripts refuse with one sentence
+"""More processes than GPUs on one machine: the scripts refuse with one sentence
 before NCCL fails with "invalid usage"; the test suite runs its 2-process launches on the
 CPU (gloo) on a machine with fewer GPUs than processes."""
 

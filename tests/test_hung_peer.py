@@ -1,4 +1,4 @@
-"""A stopped rank does not hang the run (issue 9.6): with --collective_timeout the rank left
+"""A stopped rank does not hang the run: with --collective_timeout the rank left
 waiting fails within the timeout, naming itself and the collective it waited in."""
 
 import contextlib

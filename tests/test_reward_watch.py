@@ -1,4 +1,4 @@
-"""The reward-hacking watch (issue 12): diversity within a prompt's samples, the "trained rose
+"""The reward-hacking watch: diversity within a prompt's samples, the "trained rose
 while held-out fell" rule, the alarms raised once each and again after a resume, the flags, the
 card section, the plot panel, and a run built to hack that raises the alarm and stops."""
 

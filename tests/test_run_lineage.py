@@ -1,4 +1,4 @@
-"""One run's --output_dir never silently absorbs another (issue 9.5): a checkpoint records the
+"""One run's --output_dir never silently absorbs another: a checkpoint records the
 arguments that decide its trajectory; resuming another run's checkpoint, or starting over on
 top of checkpoints, is refused in one sentence; --overwrite_output_dir starts afresh; and
 metrics.jsonl after a resume continues without logging any step twice."""

@@ -175,7 +175,7 @@ def test_sampler_refuses_bad_sizes_and_rank():
 
 @pytest.mark.parametrize("group_size, rollout, batches, micro", [(3, 4, 2, 4), (3, 8, 1, 8), (5, 8, 2, 16), (6, 32, 4, 64)])
 def test_the_suggested_rollout_batch_size_passes_every_check(group_size, rollout, batches, micro):
-    """The value an error suggests must not fail again on the next check (issue 14.3)."""
+    """The value an error suggests must not fail again on the next check."""
     with pytest.raises(ValueError, match="--rollout_batch_size") as error:
         check_batch_sizes(group_size=group_size, train_batch_size=rollout, num_processes=1, batches_per_epoch=batches,
                           train_micro_batch_size=micro)

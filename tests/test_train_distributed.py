@@ -247,7 +247,7 @@ def test_real_checkpoints_pass_the_resume_check_and_each_poisoned_file_is_refuse
 
 
 def test_resuming_a_poisoned_zero2_checkpoint_fails_before_loading_and_runs_nothing(runs, tiny_sd3, prompt_file, tmp_path):
-    """The probe of issue 9.2: DeepSpeed itself reads mp_rank_00_model_states.pt with weights_only=False."""
+    """DeepSpeed itself reads mp_rank_00_model_states.pt with weights_only=False."""
     from _poison import poison, ran
 
     output_dir, marker = str(tmp_path / "poisoned"), str(tmp_path / "marker")
