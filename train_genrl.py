@@ -310,7 +310,8 @@ def main(args, held: ExitStack | None = None):
         except Preempted:  # the weights are the last finished epoch's: so is the checkpoint
             restore_rng_states(rng_at_epoch_start)
             progress.close()
-            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step)
+            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step,
+                           nonfinite=bool(guard.consecutive))
         except NonFiniteSamples as error:  # these weights diverged: a checkpoint of them must not be resumed
             # The last checkpoint holds these weights when every optimizer step since it was skipped.
             holds_them = saved_step is not None and global_step - saved_step <= guard.consecutive
@@ -362,8 +363,8 @@ def main(args, held: ExitStack | None = None):
         log_metrics(accelerator, metrics_path, epoch_logs, step=global_step, epoch=epoch)
         if preemption.agreed(accelerator):  # after the update, before evaluation: the grace time is short
             progress.close()
-            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch,
-                           saved_step=None if guard.consecutive else saved_step, nonfinite=bool(guard.consecutive))
+            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch, saved_step=saved_step,
+                           nonfinite=bool(guard.consecutive))
         done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
             last_eval = evaluate_now(step=global_step, epoch=epoch)
@@ -424,7 +425,7 @@ def stop_preempted(accelerator, preemption: PreemptionWatch, save, *, global_ste
     checkpoint = None
     if global_step == saved_step:
         checkpoint = f"checkpoint-{global_step}"
-    elif global_step > 0 and not nonfinite:
+    elif global_step > 0 and not nonfinite:  # as at an epoch's end: no checkpoint after a skipped step
         checkpoint = os.path.basename(save(global_step=global_step, epoch=epoch))
     if accelerator.is_main_process:
         print(f"train_genrl.py: {preempted_message(global_step, checkpoint, preemption.signum)}", file=sys.stderr, flush=True)
