@@ -50,21 +50,21 @@ def add_variant(name: str, variant: str | None) -> str:
     return f"{stem}.{variant}.{suffix}"
 
 
-def transformer_folder(pretrained_model_name_or_path: str, revision: str | None = None) -> str:
-    """The ``transformer`` folder of a pipeline: a local folder's, or the Hub snapshot's with
-    only its config and safetensors files downloaded."""
+def transformer_folder(pretrained_model_name_or_path: str, revision: str | None = None, subfolder: str = "transformer") -> str:
+    """The ``subfolder`` (a transformer's) of a pipeline: a local folder's, or the Hub snapshot's
+    with only its config and safetensors files downloaded."""
     path = os.fspath(pretrained_model_name_or_path)
     if os.path.isdir(path):
-        return os.path.join(path, "transformer")
+        return os.path.join(path, subfolder)
     from huggingface_hub import snapshot_download
 
     try:
         snapshot = snapshot_download(path, revision=revision,
-                                     allow_patterns=["transformer/*.json", "transformer/*.safetensors"])
+                                     allow_patterns=[f"{subfolder}/*.json", f"{subfolder}/*.safetensors"])
     except Exception as error:  # not found, offline, invalid id: all mean "cannot get it"
-        raise SetupError(f"The transformer of Hub model {path!r} could not be fetched ({hub_failure_reason(error)}); "
+        raise SetupError(f"The {subfolder} of Hub model {path!r} could not be fetched ({hub_failure_reason(error)}); "
                          f"{hub_hint()}.") from error
-    return os.path.join(snapshot, "transformer")
+    return os.path.join(snapshot, subfolder)
 
 
 def weight_files(folder: str, variant: str | None = None) -> dict[str, str]:

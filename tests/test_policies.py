@@ -26,7 +26,8 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policies(tiny_dirs):
-    return {family: load_policy(path).to("cpu") for family, path in tiny_dirs.items()}
+    return {family: load_policy(path, wan_expert="high" if family == "wan2.2-a14b" else None).to("cpu")
+            for family, path in tiny_dirs.items()}
 
 
 def _generators(n, seed=0):
@@ -83,20 +84,29 @@ def test_load_policy_errors(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(SetupError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
         load_policy(str(tmp_path))
-    # Wan2.2-T2V-A14B's index (no weights here at all: the refusal must come from the index alone).
+    # Wan2.2-T2V-A14B's index (no weights here at all: the sentence must come from the index alone).
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": "WanPipeline", "boundary_ratio": 0.875, "transformer": ["diffusers", "WanTransformer3DModel"],
         "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
-    with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.875.*Wan2.2-TI2V-5B"):
+    with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.875.*--wan_expert high or --wan_expert low"):
         load_policy(str(tmp_path))
 
 
-def test_a_loaded_two_expert_wan_pipeline_is_refused():
-    pipeline = build_tiny_pipeline("wan")
-    pipeline.register_modules(transformer_2=build_tiny_pipeline("wan", seed=1).transformer)
-    pipeline.register_to_config(boundary_ratio=0.9)
-    with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.9 x 1000"):
-        policy_for_pipeline(pipeline)
+def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(tiny_dirs):
+    high = load_policy(tiny_dirs["wan2.2-a14b"], wan_expert="high")
+    low = load_policy(tiny_dirs["wan2.2-a14b"], wan_expert="low", dtype=torch.bfloat16)
+    assert high.transformer is high.pipeline.transformer and high.frozen_expert is high.pipeline.transformer_2
+    assert low.transformer is low.pipeline.transformer_2 and low.frozen_expert is low.pipeline.transformer
+    assert low.transformer.dtype == torch.float32 and low.frozen_expert.dtype == torch.bfloat16  # trained in fp32
+    low.to("cpu", torch.bfloat16)
+    assert "transformer" in low.frozen_modules() and not any(p.requires_grad for p in low.frozen_expert.parameters())
+    t = torch.tensor([999.0, 875.0, 874.9, 100.0])
+    assert high.expert_of(t).tolist() == [True, True, False, False] and low.expert_of(t).tolist() == [False, False, True, True]
+    assert high.trained_sigma_range() == (0.875, 1.0) and low.trained_sigma_range()[1] < 0.875
+    with pytest.raises(SetupError, match="--wan_expert must be one of"):
+        WanPolicy(high.pipeline, expert="middle")
+    with pytest.raises(SetupError, match="apply only to a two-expert"):
+        WanPolicy(build_tiny_pipeline("wan"), expert="high")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -214,11 +224,20 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
 
 
 @pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
-                                                    ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0)])
+                                                    ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
+                                                    ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
-    prompt encoding, schedule, guidance and decoding must give the same frames."""
+    prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
+    experts each sample their own steps, the low-noise one at its own guidance scale, whichever
+    of them is the trained one."""
+    family, _, expert = family.partition("/")
     policy = policies[family]
+    extra = {}
+    if family == "wan2.2-a14b":
+        policy = WanPolicy(policy.pipeline, expert=expert or "high", guidance_scale_2=2.0,
+                           **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()})
+        extra = {"guidance_scale_2": 2.0}
     height, width, num_frames = TINY_SAMPLING_DEFAULTS[family].values()
     prompts = ["a red circle above a blue square", "three green triangles"]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
@@ -232,7 +251,7 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         output_type="pt", max_sequence_length=16,
     )
     if policy.family == "wan":
-        out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs).frames
+        out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs, **extra).frames
         expected = out.permute(0, 2, 1, 3, 4)  # (B, F, C, H, W) -> (B, C, F, H, W)
     elif policy.family == "sd3":
         out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images

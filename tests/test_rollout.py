@@ -245,3 +245,21 @@ def test_ab2_starts_with_euler_moves_on_in_second_order_and_leaves_sde_steps_alo
     assert torch.equal(sde_ab2.log_probs, sde_euler.log_probs)
     with pytest.raises(ValueError, match="ode_solver"):
         SamplingConfig(ode_solver="rk4")
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(expert):
+    """Wan 2.2 A14B: recorded transitions at steps of both experts, re-scored in one batch, each
+    row by its own expert (the trained one passed in, the frozen one held by the policy) at its
+    own guidance scale."""
+    from genrl.policies import WanPolicy
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline
+
+    sizes = {f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS["wan2.2-a14b"].items()}
+    policy = WanPolicy(build_tiny_pipeline("wan2.2-a14b"), expert=expert, guidance_scale_2=2.0, **sizes).to("cpu")
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=3.0, noise_level=0.9)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], [0, 1], seed=1, epoch=0, config=config, device="cpu")
+    flat = _flat(rollout)
+    assert policy.expert_of(flat[2]).any() and not policy.expert_of(flat[2]).all(), "the batch must mix the experts"
+    out = step_log_prob(policy, policy.transformer, *flat, config=config, sigma_max=rollout.sigma_max)
+    torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)

@@ -12,7 +12,7 @@ from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
-from genrl.policies.wan import WanPolicy, two_expert_message
+from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
 from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
@@ -68,6 +68,8 @@ def load_policy(
     dtype: torch.dtype = torch.float32,
     zero3_init_config: dict | None = None,
     max_sequence_length: int | None = None,
+    wan_expert: str | None = None,
+    guidance_scale_2: float | None = None,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
@@ -80,30 +82,37 @@ def load_policy(
     ``zero3_init_config`` (a ZeRO-3 DeepSpeed config, with ``zero3_init_flag: true``): the
     transformer is built partitioned across the ranks (``genrl.zero_init``) and no rank holds
     all of it; collective, every rank calls it.
+
+    A two-expert Wan 2.2 pipeline (A14B) trains the ``wan_expert`` ("high": ``transformer``,
+    "low": ``transformer_2``), loaded like a single transformer (float32, partitioned under
+    ZeRO-3); the other expert is a frozen part, in ``dtype`` and whole on every rank.
+    ``guidance_scale_2`` guides its low-noise steps (``WanPolicy``).
     """
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
-    if (index.get("transformer_2") or [None])[0] is not None:  # refused before two experts' weights load
+    two_experts = (index.get("transformer_2") or [None])[0] is not None
+    if two_experts and wan_expert not in EXPERTS:  # said before two experts' weights load
         raise SetupError(two_expert_message(path, index.get("boundary_ratio")))
+    trained = "transformer_2" if two_experts and wan_expert == "low" else "transformer"
     components = {  # saved as null: stay None
         name: None
         for name, value in index.items()
         if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is None
     }
     if zero3_init_config is not None:
-        transformer_class = getattr(diffusers, index["transformer"][1])
-        components["transformer"] = load_partitioned_transformer(
-            transformer_class, transformer_folder(path, revision), zero3_init_config, variant=variant
+        transformer_class = getattr(diffusers, index[trained][1])
+        components[trained] = load_partitioned_transformer(
+            transformer_class, transformer_folder(path, revision, trained), zero3_init_config, variant=variant
         )
     try:
         pipeline = getattr(diffusers, class_name).from_pretrained(
             path,
             revision=revision,
             variant=variant,
-            dtype={"default": dtype, "transformer": torch.float32},
+            dtype={"default": dtype, trained: torch.float32},
             **components,
         )
     except OSError as error:  # a Hub model whose weights could not be downloaded
@@ -117,5 +126,6 @@ def load_policy(
         raise ValueError(
             f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames."
         )
-    return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length,
+    experts = dict(expert=wan_expert, guidance_scale_2=guidance_scale_2) if two_experts else {}
+    return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length, **experts,
                                 **{f"default_{k}": int(v) for k, v in sizes.items()})

@@ -8,27 +8,74 @@ from genrl.errors import SetupError
 from genrl.policies.base import FlowPolicy, check_divisible, module_dtype
 
 
+EXPERTS = ("high", "low")
+
+
 def two_expert_message(source: str, boundary_ratio: float | None) -> str:
-    """Why a Wan 2.2 pipeline with two expert transformers (A14B) is refused, in one sentence."""
+    """Why a Wan 2.2 pipeline with two expert transformers (A14B) needs ``--wan_expert``, in one sentence."""
     return (
         f"{source!r} is a two-expert Wan 2.2 pipeline (transformer for timesteps from {boundary_ratio} x 1000 up, "
-        "transformer_2 below), and genrl trains one transformer that samples every step; use a single-transformer "
-        "Wan model (Wan2.2-TI2V-5B, Wan2.1-T2V-1.3B or -14B)."
+        "transformer_2 below): choose the expert to train with --wan_expert high or --wan_expert low (the other one "
+        "stays frozen and samples its own steps)."
     )
 
 
 class WanPolicy(FlowPolicy):
     """Latents ``(B, C, F', h, w)`` with F' = (F - 1) / 4 + 1 and h, w = H / 8, W / 8 (for the
-    published VAE); timesteps go to the transformer in [0, 1000]."""
+    published VAE); timesteps go to the transformer in [0, 1000].
+
+    Wan 2.2 A14B has two experts of one architecture: ``pipeline.transformer`` for the timesteps
+    t >= boundary_ratio x 1000 (the high-noise steps) and ``pipeline.transformer_2`` below, the
+    latter guided with ``guidance_scale_2`` (None: the same scale, as WanPipeline). One of them is
+    trained (``expert``: "high" or "low"; it is ``self.transformer``, the module the trainer
+    prepares and passes in); the other (``frozen_expert``) is a frozen part like the VAE and
+    samples its own steps. Without ``expert`` the policy samples with both (evaluation) and
+    ``self.transformer`` is the high-noise one.
+    """
 
     family = "wan"
     is_video = True
     uses_true_cfg = True
 
-    def __init__(self, pipeline, **defaults):
-        if getattr(pipeline, "transformer_2", None) is not None:
-            raise SetupError(two_expert_message(type(pipeline).__name__, pipeline.config.get("boundary_ratio")))
+    def __init__(self, pipeline, *, expert: str | None = None, guidance_scale_2: float | None = None, **defaults):
         super().__init__(pipeline, **defaults)
+        self.frozen_expert, self.expert, self.boundary = None, None, None
+        self.guidance_scale_2 = guidance_scale_2
+        if getattr(pipeline, "transformer_2", None) is None:
+            if expert is not None or guidance_scale_2 is not None:
+                raise SetupError("--wan_expert and --guidance_scale_2 apply only to a two-expert Wan 2.2 pipeline (A14B).")
+            return
+        if expert not in (None, *EXPERTS):
+            raise SetupError(f"--wan_expert must be one of {EXPERTS}, got {expert!r}.")
+        ratio = pipeline.config.get("boundary_ratio")
+        if ratio is None:
+            raise SetupError(f"{type(pipeline).__name__} has a transformer_2 but no boundary_ratio to split the steps at.")
+        self.boundary = float(ratio) * self.scheduler.config.num_train_timesteps
+        self.expert = expert
+        high, low = pipeline.transformer, pipeline.transformer_2
+        self.transformer, self.frozen_expert = (low, high) if expert == "low" else (high, low)
+
+    def frozen_modules(self) -> dict[str, torch.nn.Module]:
+        frozen = super().frozen_modules()
+        if self.frozen_expert is not None:
+            frozen["transformer_2" if self.frozen_expert is self.pipeline.transformer_2 else "transformer"] = self.frozen_expert
+        return frozen
+
+    def expert_of(self, timestep: torch.Tensor) -> torch.Tensor:
+        """``(B,)`` bool: which samples at ``timestep`` ``(B,)`` the trained expert denoises (all of
+        them without two experts)."""
+        if self.boundary is None:
+            return torch.ones_like(timestep, dtype=torch.bool)
+        high = timestep >= self.boundary
+        return ~high if self.expert == "low" else high
+
+    def trained_sigma_range(self) -> tuple[float, float] | None:
+        """The noise levels [lo, hi] whose steps the trained expert denoises (flow matching: t =
+        sigma x 1000, so the boundary is boundary_ratio in sigma); None without two experts."""
+        if self.boundary is None or self.expert is None:
+            return None
+        ratio = self.boundary / self.scheduler.config.num_train_timesteps
+        return (ratio, 1.0) if self.expert == "high" else (0.0, ratio - 1e-6)
 
     def pipeline_default_size(self) -> tuple[int, int, int]:
         return 480, 832, 81  # WanPipeline.__call__ defaults
@@ -72,10 +119,25 @@ class WanPolicy(FlowPolicy):
         return (frames // p_t) * (h // p_h) * (w // p_w)
 
     def predict_velocity(self, transformer, latents, timestep, embeds, guidance_scale):
+        cfg = self.use_cfg(guidance_scale)  # as WanPipeline: decided by the first scale for both experts
+        if self.boundary is None:
+            return self._velocity(transformer, latents, timestep, embeds, cfg, guidance_scale)
+        low_scale = guidance_scale if self.guidance_scale_2 is None else self.guidance_scale_2
+        trained = self.expert_of(timestep)
+        high = timestep >= self.boundary
+        velocity = torch.empty(latents.shape, dtype=torch.float32, device=latents.device)
+        for rows in (trained, ~trained):  # at most two forwards, each expert its own samples
+            if rows.any():
+                model = transformer if rows is trained else self.frozen_expert
+                scale = guidance_scale if bool(high[rows][0]) else low_scale
+                part = {k: v[rows] for k, v in embeds.items()}
+                velocity[rows] = self._velocity(model, latents[rows], timestep[rows], part, cfg, scale)
+        return velocity
+
+    def _velocity(self, transformer, latents, timestep, embeds, cfg: bool, guidance_scale: float) -> torch.Tensor:
         dtype = module_dtype(transformer)
         (prompt_embeds,) = self._require(embeds, "prompt_embeds")
         x, t, context = latents.to(dtype), timestep.float(), prompt_embeds.to(dtype)
-        cfg = self.use_cfg(guidance_scale)
         if cfg:
             (negative_embeds,) = self._require(embeds, "negative_prompt_embeds")
             x, t, context = torch.cat([x, x]), torch.cat([t, t]), torch.cat([negative_embeds.to(dtype), context])

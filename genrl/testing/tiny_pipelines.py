@@ -48,14 +48,16 @@ from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 FAMILIES = ("wan", "sd3", "flux")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
-# SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys).
-VARIANTS = ("wan2.2", "sd3.5")
+# SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
+# "wan2.2-a14b" Wan 2.2 A14B's (two experts split at a boundary timestep).
+VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b")
 
 # Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
 # (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
 TINY_SAMPLING_DEFAULTS = {
     "wan": {"height": 32, "width": 32, "num_frames": 5},
     "wan2.2": {"height": 64, "width": 64, "num_frames": 5},
+    "wan2.2-a14b": {"height": 32, "width": 32, "num_frames": 5},
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
     "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
@@ -156,21 +158,7 @@ def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float)
 
 def _wan_pipeline(vae: AutoencoderKLWan, shift: float, **config) -> WanPipeline:
     """A ``WanPipeline`` around ``vae`` with a tiny transformer of its latent width and UMT5."""
-    z_dim = vae.config.z_dim
-    transformer = WanTransformer3DModel(  # before the text encoder: the weights of a seed stay put
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=z_dim,
-        out_channels=z_dim,
-        text_dim=32,
-        freq_dim=32,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    )
+    transformer = _wan_transformer(vae.config.z_dim)  # before the text encoder: the weights of a seed stay put
     return WanPipeline(
         tokenizer=tiny_tokenizer(add_bos=False),
         text_encoder=UMT5EncoderModel(UMT5Config(**_TINY_T5)),
@@ -178,6 +166,14 @@ def _wan_pipeline(vae: AutoencoderKLWan, shift: float, **config) -> WanPipeline:
         scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
         transformer=transformer,
         **config,
+    )
+
+
+def _wan_transformer(z_dim: int) -> WanTransformer3DModel:
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=z_dim, out_channels=z_dim,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
     )
 
 
@@ -193,6 +189,19 @@ def _build_wan() -> WanPipeline:
         latents_std=[2.8, 1.45, 2.3, 2.65],
     )
     return _wan_pipeline(vae, shift=3.0)
+
+
+def _build_wan22_a14b() -> WanPipeline:
+    """Wan 2.2 A14B's layout: two experts of one architecture over Wan 2.1's VAE, ``transformer``
+    for timesteps from ``boundary_ratio`` x 1000 up (the high-noise steps), ``transformer_2`` below;
+    with 4 steps at shift 3 the boundary 875 gives each expert two steps."""
+    vae = AutoencoderKLWan(
+        base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+    pipeline = _wan_pipeline(vae, shift=3.0, boundary_ratio=0.875)
+    pipeline.register_modules(transformer_2=_wan_transformer(vae.config.z_dim))
+    return pipeline
 
 
 def _build_wan22() -> WanPipeline:
@@ -288,7 +297,8 @@ def _build_sd35() -> StableDiffusion3Pipeline:
     return _build_sd3(dual_attention_layers=(0,), qk_norm="rms_norm")
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35}
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
+             "wan2.2-a14b": _build_wan22_a14b}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
