@@ -42,6 +42,7 @@ from genrl.distributed import (
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
+from genrl.experts import expert_sigma_range
 from genrl.errors import SetupError, find_setup_error, said_once, stop_line
 from genrl.experience import ScoredRollouts, collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
@@ -153,7 +154,8 @@ def main(args, held: ExitStack | None = None):
         try:
             policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype,
                                  zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None,
-                                 max_sequence_length=args.max_sequence_length)
+                                 max_sequence_length=args.max_sequence_length, wan_expert=args.wan_expert,
+                                 guidance_scale_2=args.guidance_scale_2)
         except SetupError as e:
             raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)
@@ -177,8 +179,10 @@ def main(args, held: ExitStack | None = None):
         float32=args.use_lora or accelerator.mixed_precision == "fp16", seed=args.seed,
     )
     sampling, eval_sampling = sampling_configs(args)
-    if args.train_sigma_range:  # too few steps in the range: one sentence now, not after the first rollout
-        check_sigma_range_holds(policy, sampling, schedule.timesteps_per_sample, tuple(args.train_sigma_range))
+    # One expert of two: its own steps only (the window of GRPO's recorded steps, the noise levels nft and awm draw).
+    train_sigma_range = expert_sigma_range(policy, args.objective, sampling, args.train_sigma_range)
+    if train_sigma_range:  # too few steps in the range: one sentence now, not after the first rollout
+        check_sigma_range_holds(policy, sampling, schedule.timesteps_per_sample, train_sigma_range)
     # Speed levers (--attention_backend, --compile) on the trained transformer and the frozen copy,
     # after the LoRA set-up; the FLOPs of one sequence through it are counted first, on the bare
     # module, and the tally counts the sequences each epoch sends through it (perf/* metrics).
@@ -229,7 +233,7 @@ def main(args, held: ExitStack | None = None):
         kl_form=args.kl_form, nft_beta=args.nft_beta, grpo_guard=args.grpo_guard,
         grpo_guard_reweight=args.grpo_guard_reweight,
         sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
-        train_sigma_range=tuple(args.train_sigma_range) if args.train_sigma_range else None,
+        train_sigma_range=train_sigma_range,
     )
     eval_plan = None if eval_set is None else EvalPlan(
         eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,

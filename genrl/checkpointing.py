@@ -376,7 +376,7 @@ def export_model(
             if use_lora:
                 _save_lora(accelerator, model, policy, export_dir, LORA_EMA_FILE if suffix else LORA_FILE)
             else:
-                _save_full_transformer(accelerator, model, os.path.join(export_dir, "transformer" + suffix))
+                _save_full_transformer(accelerator, model, os.path.join(export_dir, policy.trained_component + suffix))
     accelerator.wait_for_everyone()
 
 
@@ -529,21 +529,25 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         if use_ema:
             raise SetupError(f"{path!r} holds no {CONFIG_FILE}: it is a base model, not a genrl export or checkpoint, "
                              "so it has no EMA weights; leave out --use_ema.")
-        return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length)
+        return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True)
     with open(config_path) as f:
         config = json.load(f)
     if use_ema and not config.get("has_ema"):
         raise SetupError(f"{path!r} was trained without --use_ema, so it has no EMA weights; leave out --use_ema.")
+    trained_args = config.get("args", {})
     if max_sequence_length is None:
-        max_sequence_length = config.get("args", {}).get("max_sequence_length")
-    policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length)
-    suffix = "_ema" if use_ema else ""
+        max_sequence_length = trained_args.get("max_sequence_length")
+    experts = {k: trained_args[k] for k in ("wan_expert", "guidance_scale_2") if trained_args.get(k) is not None}
+    policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
+                         **experts)
+    suffix, component = "_ema" if use_ema else "", policy.trained_component
     if config["use_lora"]:
-        policy.pipeline.load_lora_weights(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)
-        policy.pipeline.fuse_lora()
+        into_second = {"load_into_transformer_2": True} if component == "transformer_2" else {}
+        policy.pipeline.load_lora_weights(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE, **into_second)
+        policy.pipeline.fuse_lora(components=[component])
         policy.pipeline.unload_lora_weights()
     else:
-        transformer = type(policy.transformer).from_pretrained(os.path.join(path, "transformer" + suffix))
-        policy.pipeline.transformer = transformer
+        transformer = type(policy.transformer).from_pretrained(os.path.join(path, component + suffix))
+        setattr(policy.pipeline, component, transformer)
         policy.transformer = transformer
     return policy

@@ -151,6 +151,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "and the rest of DEFAULT_RUN (see the end of this help).")
     group.add_argument("--revision", type=str, default=None, help="Hub revision (branch, tag or commit) of the model.")
     group.add_argument("--variant", type=str, default=None, help='Weight file variant to load, e.g. "fp16".')
+    group.add_argument("--wan_expert", choices=["high", "low"], default=None,
+                       help="A two-expert Wan 2.2 model (A14B): the expert to train, high (transformer, the noisy steps "
+                            "from boundary_ratio x 1000 up) or low (transformer_2, the steps below); the other stays "
+                            "frozen and samples its own steps. The trained steps must be the expert's own.")
 
     group = parser.add_argument_group("data")
     group.add_argument("--prompt_dataset", type=str, default=None,
@@ -189,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--num_inference_steps", type=int, default=10, help="Denoising steps per sample.")
     group.add_argument("--guidance_scale", type=float, default=4.5, help="Classifier-free guidance scale (1: off).")
     group.add_argument("--negative_prompt", type=str, default="", help="Negative prompt for classifier-free guidance.")
+    group.add_argument("--guidance_scale_2", type=float, default=None,
+                       help="Two-expert Wan 2.2: the guidance scale of the low-noise expert's steps (default: --guidance_scale).")
     group.add_argument("--noise_level", type=float, default=0.7, help="SDE noise level a.")
     group.add_argument("--sde_type", choices=SDE_TYPES, default="flow_sde",
                        help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one.")

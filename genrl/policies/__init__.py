@@ -70,6 +70,7 @@ def load_policy(
     max_sequence_length: int | None = None,
     wan_expert: str | None = None,
     guidance_scale_2: float | None = None,
+    sampling_only: bool = False,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
@@ -86,7 +87,8 @@ def load_policy(
     A two-expert Wan 2.2 pipeline (A14B) trains the ``wan_expert`` ("high": ``transformer``,
     "low": ``transformer_2``), loaded like a single transformer (float32, partitioned under
     ZeRO-3); the other expert is a frozen part, in ``dtype`` and whole on every rank.
-    ``guidance_scale_2`` guides its low-noise steps (``WanPolicy``).
+    ``guidance_scale_2`` guides its low-noise steps (``WanPolicy``). Without ``wan_expert`` such a
+    pipeline loads only with ``sampling_only`` (evaluation).
     """
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
@@ -94,7 +96,7 @@ def load_policy(
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
     two_experts = (index.get("transformer_2") or [None])[0] is not None
-    if two_experts and wan_expert not in EXPERTS:  # said before two experts' weights load
+    if two_experts and wan_expert not in EXPERTS and not (sampling_only and wan_expert is None):  # before any weights load
         raise SetupError(two_expert_message(path, index.get("boundary_ratio")))
     trained = "transformer_2" if two_experts and wan_expert == "low" else "transformer"
     components = {  # saved as null: stay None

@@ -129,6 +129,17 @@ class FlowPolicy:
         size = self.pipeline.default_sample_size * self.pipeline.vae_scale_factor
         return size, size, 1
 
+    trained_component = "transformer"  # the pipeline component trained (the export's subfolder)
+
+    def trained_steps(self, num_inference_steps: int) -> tuple[int, int] | None:
+        """``(a, b)`` when the trained transformer denoises only steps a..b-1 (one expert of two);
+        None: every step."""
+        return None
+
+    def trained_sigma_range(self) -> tuple[float, float] | None:
+        """The noise levels [lo, hi] the trained transformer denoises (one expert of two); None: all."""
+        return None
+
     def frozen_modules(self) -> dict[str, torch.nn.Module]:
         """Text encoders and VAE by component name."""
         return {

@@ -55,6 +55,11 @@ class WanPolicy(FlowPolicy):
         high, low = pipeline.transformer, pipeline.transformer_2
         self.transformer, self.frozen_expert = (low, high) if expert == "low" else (high, low)
 
+    @property
+    def trained_component(self) -> str:
+        """The pipeline component the trained transformer is (its export's subfolder)."""
+        return "transformer_2" if self.expert == "low" else "transformer"
+
     def frozen_modules(self) -> dict[str, torch.nn.Module]:
         frozen = super().frozen_modules()
         if self.frozen_expert is not None:
@@ -68,6 +73,16 @@ class WanPolicy(FlowPolicy):
             return torch.ones_like(timestep, dtype=torch.bool)
         high = timestep >= self.boundary
         return ~high if self.expert == "low" else high
+
+    def trained_steps(self, num_inference_steps: int) -> tuple[int, int] | None:
+        """``(a, b)``: the trained expert denoises steps a..b-1 of the ``num_inference_steps`` sampling
+        steps (a contiguous run: the high-noise expert's first, the low-noise one's last); None
+        without two experts."""
+        if self.expert is None:
+            return None
+        timesteps, _ = self.timesteps_and_sigmas(num_inference_steps, torch.zeros(1), "cpu")
+        own = torch.nonzero(self.expert_of(timesteps)).flatten().tolist()
+        return (own[0], own[-1] + 1) if own else (0, 0)
 
     def trained_sigma_range(self) -> tuple[float, float] | None:
         """The noise levels [lo, hi] whose steps the trained expert denoises (flow matching: t =

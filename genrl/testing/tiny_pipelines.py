@@ -194,7 +194,7 @@ def _build_wan() -> WanPipeline:
 def _build_wan22_a14b() -> WanPipeline:
     """Wan 2.2 A14B's layout: two experts of one architecture over Wan 2.1's VAE, ``transformer``
     for timesteps from ``boundary_ratio`` x 1000 up (the high-noise steps), ``transformer_2`` below;
-    with 4 steps at shift 3 the boundary 875 gives each expert two steps."""
+    of 4 steps the boundary 875 gives the first to the high-noise expert and the others to the low-noise one."""
     vae = AutoencoderKLWan(
         base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
         latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
