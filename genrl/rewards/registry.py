@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from genrl.errors import SetupError, json_type
-from genrl.rewards.service import is_served
+from genrl.rewards.service import ServedReward, build_served_reward, check_service_options, is_served
 
 Factory = Callable[..., Callable[..., Any]]
 
@@ -310,8 +310,6 @@ def check_reward_options(options: Any, specs: Sequence[str]) -> None:
         if not isinstance(opts, Mapping):
             raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {json_type(opts)}.")
         if is_served(opts):
-            from genrl.rewards.service import check_service_options
-
             check_service_options(name, opts)  # the service answers and serves it
             continue
         target = _import_path(name, f"reward {name!r}") if ":" in name else _factory(name)
@@ -357,11 +355,10 @@ def build_reward_fn(
     fns, groups, group_keys = [], [], []
     for index, (name, _) in enumerate(parsed):
         opts = dict(options.get(name, {}))
-        key = None  # user functions and served rewards are never grouped
+        key = None  # user functions are never grouped
         if is_served(opts):
-            from genrl.rewards.service import build_served_reward
-
             fn = build_served_reward(name, opts)
+            key = (build_served_reward, opts)  # the rewards of one service: one request for all of them
         elif ":" in name:
             fn = _import_path(name, f"reward {name!r}")
             fn = _with_kwargs(fn, opts) if opts else fn
@@ -382,6 +379,9 @@ def build_reward_fn(
         else:
             groups.append([index])
             group_keys.append(key)
+    for group, group_key in zip(groups, group_keys):
+        if isinstance(fns[group[0]], ServedReward) and len(group) > 1:
+            fns[group[0]] = fns[group[0]].asking_for([parsed[i][0] for i in group])
     return RewardFn([n for n, _ in parsed], [w for _, w in parsed], fns, groups, device, allow_nan)
 
 

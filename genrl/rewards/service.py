@@ -182,23 +182,32 @@ class ServedReward:
     seconds and is tried ``retries + 1`` times in all when the service does not answer."""
 
     def __init__(self, name: str, url: str, *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = DEFAULT_RETRIES,
-                 backoff_s: float = 1.0):
+                 backoff_s: float = 1.0, names: Sequence[str] | None = None):
         self.name, self.url, self.timeout, self.retries, self.backoff_s = name, url, timeout, retries, backoff_s
+        self.names = list(names or [name])
 
     def __repr__(self) -> str:
-        return f"ServedReward({self.name!r}, {self.url!r})"
+        return f"ServedReward({self.names}, {self.url!r})"
 
-    def __call__(self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None) -> torch.Tensor:
+    def asking_for(self, names: Sequence[str]) -> "ServedReward":
+        """This client, asking the service for every reward of ``names`` in one request (those of a
+        spec served by one service) and answering ``{name: (N,)}``."""
+        return ServedReward(self.name, self.url, timeout=self.timeout, retries=self.retries, backoff_s=self.backoff_s,
+                            names=names)
+
+    def __call__(self, samples: Any, prompts: Sequence[str], metadata: Sequence[Mapping] | None = None
+                 ) -> torch.Tensor | dict[str, torch.Tensor]:
         from genrl.rewards.registry import RewardError
 
-        body = encode_request(samples, prompts, metadata, [self.name])
-        answer = self._post(body)
+        answer = self._post(encode_request(samples, prompts, metadata, self.names))
         rewards = answer.get("rewards") if isinstance(answer, dict) else None
-        if not isinstance(rewards, dict) or self.name not in rewards:
+        missing = [name for name in self.names if not isinstance(rewards, dict) or name not in rewards]
+        if missing:
             got = sorted(rewards) if isinstance(rewards, dict) else json_type(answer)
-            raise RewardError(f"The reward service at {self.url} answered with scores of {got}, not of {self.name!r}; "
+            raise RewardError(f"The reward service at {self.url} answered with scores of {got}, not of {missing[0]!r}; "
                               f"is 'service' in --reward_options pointing at the right service?")
-        return torch.tensor(np.asarray(rewards[self.name], dtype=np.float64), dtype=torch.float32)
+        scores = {name: torch.tensor(np.asarray(rewards[name], dtype=np.float64), dtype=torch.float32) for name in self.names}
+        return scores[self.name] if len(self.names) == 1 else scores
 
     def _post(self, body: bytes) -> Any:
         from genrl.rewards.registry import RewardError
@@ -214,13 +223,13 @@ class ServedReward:
                     return json.loads(response.read())
             except urllib.error.HTTPError as e:
                 if e.code not in TRANSIENT_STATUS:  # the reward or the request failed: the same again would too
-                    raise RewardError(f"Reward {self.name!r} failed on the reward service at {self.url}: "
+                    raise RewardError(f"Reward {', '.join(map(repr, self.names))} failed on the reward service at {self.url}: "
                                       f"{_error_sentence(e).rstrip('.')}.") from e
                 last = e
             except (OSError, http.client.HTTPException, socket.timeout) as e:  # refused, reset, timed out
                 last = e
         raise RewardError(
-            f"The reward service for {self.name!r} at {self.url} did not answer {self.retries + 1} tries "
+            f"The reward service for {', '.join(map(repr, self.names))} at {self.url} did not answer {self.retries + 1} tries "
             f"({_reason(last)}); the run stops here, its last checkpoint intact."
         ) from last
 

@@ -60,8 +60,11 @@ class RewardReplica:
         # model cache still holds one copy of a model that several of them share). NaN allowed here:
         # the client applies its own policy (training refuses NaN, evaluation keeps it).
         self.names = [name for name, _ in parse_reward_spec(spec)]
-        self.reward_fns = {name: build_reward_fn(name, device=device, options={k: v for k, v in options.items() if k == name},
-                                                 allow_nan=True) for name in self.names}
+        self.reward_fns = {(name,): build_reward_fn(name, device=device, options={k: v for k, v in options.items() if k == name},
+                                                    allow_nan=True) for name in self.names}
+        # A request for all of them (a trainer whose spec names them all) takes one call, where
+        # rewards of one model share a forward pass (videoalign_vq and videoalign_ta).
+        self.reward_fns[tuple(self.names)] = build_reward_fn(spec, device=device, options=options, allow_nan=True)
         self.options, self.device = dict(options), device
         self.score_batch.set_max_batch_size(max_batch_requests)
         self.score_batch.set_batch_wait_timeout_s(batch_wait_s)
@@ -90,12 +93,15 @@ class RewardReplica:
     def _score(self, rewards: list[str], frames: torch.Tensor, prompts: list[str], metadata: list | None
                ) -> dict[str, torch.Tensor] | str:
         """``{name: (N,)}`` of the rewards named on one batch, or the sentence of a failure."""
+        calls = [tuple(rewards)] if tuple(rewards) in self.reward_fns else [(name,) for name in rewards]
         scores = {}
-        for name in rewards:
+        for names in calls:
             try:
-                scores[name] = self.reward_fns[name](frames, prompts, metadata)[name]
+                scored = self.reward_fns[names](frames, prompts, metadata)
             except Exception as e:  # RewardError already says which reward failed and why
-                return str(e) if isinstance(e, ValueError) else failure_sentence(f"Reward {name!r} failed", name, e, len(frames))
+                return str(e) if isinstance(e, ValueError) else failure_sentence(f"Reward {names[0]!r} failed", names[0], e,
+                                                                                 len(frames))
+            scores.update({name: scored[name] for name in names})
         return scores
 
     def _score_joined(self, batch: list[ScoreRequest]) -> list[dict[str, torch.Tensor] | str]:
