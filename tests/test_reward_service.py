@@ -6,12 +6,10 @@ another reward's scores, a service that dies mid-run."""
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import numpy as np
 import psutil
@@ -19,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from _local_server import start_server, stop_server
 from conftest import (
     ROOT, free_port, kill_launch, launch_command, run_script, script_env, script_errors, trainer_exit_in_process,
 )
@@ -35,25 +34,6 @@ SERVED = "toy_geneval,jpeg_compressibility,pickscore,tests._served_rewards:wrong
 TOY_PROMPTS = ["a red circle", "two blue squares", "a green triangle above a red circle"]
 
 
-def stop(proc: subprocess.Popen, grace: float = 30.0) -> None:
-    """SIGTERM the service (it stops its Ray instance), then SIGKILL whatever of it is left: the
-    processes it started, found before it was asked to stop."""
-    try:
-        children = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        children = []
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    _, alive = psutil.wait_procs(children, timeout=10)
-    for child in alive:
-        child.kill()
-    psutil.wait_procs(alive, timeout=10)
-
-
 class Service(str):
     """The service's URL, and its process (``.proc``)."""
 
@@ -66,28 +46,14 @@ def service(folders, tmp_path_factory):  # noqa: F811
     port = free_port()
     options = json.dumps({"pickscore": {"checkpoint": folders[0], "processor": folders[1]}})
     log = open(tmp_path_factory.mktemp("service") / "service.log", "w+")
-    proc = subprocess.Popen(
-        [sys.executable, os.path.join(ROOT, "serve_rewards.py"), "--reward_fn", SERVED, "--reward_options", options,
-         "--port", str(port), "--num_cpus_per_replica", "1", "--num_cpus", "2",
-         "--batch_wait_s", "0.05"],
-        cwd=ROOT, env=script_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
+    command = [sys.executable, os.path.join(ROOT, "serve_rewards.py"), "--reward_fn", SERVED, "--reward_options", options,
+               "--port", str(port), "--num_cpus_per_replica", "1", "--num_cpus", "2", "--batch_wait_s", "0.05"]
     url = Service(f"http://127.0.0.1:{port}")
-    url.proc = proc
+    url.proc = start_server(command, f"{url}/health", log, cwd=ROOT, env=script_env())
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5).read()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    log.seek(0)
-                    pytest.fail(f"the reward service did not start:\n{log.read()[-4000:]}")
-                time.sleep(0.5)
         yield url
     finally:
-        stop(proc)
+        stop_server(url.proc)
         log.close()
 
 
