@@ -97,7 +97,8 @@ def decode_request(body: bytes) -> tuple[torch.Tensor, list[str], list | None, l
         raise ValueError(f"The request's frames must be a uint8 batch, got {frames.dtype} {tuple(frames.shape)}.")
     prompts, metadata, rewards = request.get("prompts"), request.get("metadata"), request.get("rewards")
     if not isinstance(prompts, list) or len(prompts) != len(frames):
-        raise ValueError(f"The request holds {len(frames)} samples but {json_type(prompts)} prompts, not one per sample.")
+        count = len(prompts) if isinstance(prompts, list) else f"a {json_type(prompts)} of"
+        raise ValueError(f"The request holds {len(frames)} samples but {count} prompts, not one per sample.")
     if metadata is not None and (not isinstance(metadata, list) or len(metadata) != len(frames)):
         raise ValueError(f"The request holds {len(frames)} samples but metadata that is not one entry per sample.")
     if not isinstance(rewards, list) or not rewards or not all(isinstance(r, str) for r in rewards):
