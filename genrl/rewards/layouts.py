@@ -63,7 +63,7 @@ def infer_layout(shape: tuple[int, ...]) -> str:
     )
 
 
-def _to_uint8(x: torch.Tensor) -> torch.Tensor:
+def to_uint8(x: torch.Tensor) -> torch.Tensor:
     """uint8 as is; other integers must lie in [0, 255]; floats in [0, 1] -> round(255 x)."""
     if x.dtype == torch.uint8:
         return x
@@ -96,7 +96,7 @@ def prepare_images_tensor(x: ArrayLike) -> torch.Tensor:
     if t.ndim == 4:
         t = t.unsqueeze(1)  # F = 1
     t = t.detach().permute(*_TO_NFHWC[layout])
-    t = _to_uint8(t)
+    t = to_uint8(t)
     if t.shape[-1] == 1:
         t = t.expand(*t.shape[:-1], 3)
     return t.contiguous()

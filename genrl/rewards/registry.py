@@ -27,6 +27,9 @@ factory that takes ``**options`` checks them itself; with a ``check_options(name
 attribute it does so before any model loads (`check_reward_options`, at argument parsing):
 option names and the paths they give.
 
+A reward whose options name a ``service`` URL is scored by a reward service
+(``serve_rewards.py``) through `genrl.rewards.service`; its other options live there.
+
 A user function is the reward callable itself, ``fn(samples, prompts, metadata)``; its
 options, if any, are passed as keyword arguments on every call.
 
@@ -49,6 +52,7 @@ import numpy as np
 import torch
 
 from genrl.errors import SetupError, json_type
+from genrl.rewards.service import ServedReward, build_served_reward, check_service_options, is_served
 
 Factory = Callable[..., Callable[..., Any]]
 
@@ -298,13 +302,16 @@ def check_reward_options(options: Any, specs: Sequence[str]) -> None:
         )
     names = list(dict.fromkeys(name for spec in specs for name, _ in parse_reward_spec(spec)))
     for name in names:
-        if ":" in name:
+        if ":" in name and not is_served(options.get(name)):  # a served function imports on the service
             _import_path(name, f"reward {name!r}")
     for name, opts in options.items():
         if name not in names:
             raise ValueError(f"--reward_options names {name!r}, which is not in --reward_fn or --eval_reward_fn {sorted(names)}.")
         if not isinstance(opts, Mapping):
             raise ValueError(f"--reward_options for {name!r} must be a JSON object of options, got a {json_type(opts)}.")
+        if is_served(opts):
+            check_service_options(name, opts)  # the service answers and serves it
+            continue
         target = _import_path(name, f"reward {name!r}") if ":" in name else _factory(name)
         check = getattr(target, "check_options", None)
         if check is not None:
@@ -349,7 +356,10 @@ def build_reward_fn(
     for index, (name, _) in enumerate(parsed):
         opts = dict(options.get(name, {}))
         key = None  # user functions are never grouped
-        if ":" in name:
+        if is_served(opts):
+            fn = build_served_reward(name, opts)
+            key = (build_served_reward, opts)  # the rewards of one service: one request for all of them
+        elif ":" in name:
             fn = _import_path(name, f"reward {name!r}")
             fn = _with_kwargs(fn, opts) if opts else fn
         else:
@@ -369,6 +379,9 @@ def build_reward_fn(
         else:
             groups.append([index])
             group_keys.append(key)
+    for group, group_key in zip(groups, group_keys):
+        if isinstance(fns[group[0]], ServedReward) and len(group) > 1:
+            fns[group[0]] = fns[group[0]].asking_for([parsed[i][0] for i in group])
     return RewardFn([n for n, _ in parsed], [w for _, w in parsed], fns, groups, device, allow_nan)
 
 
