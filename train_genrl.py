@@ -33,7 +33,7 @@ silence_known_noise()  # before the libraries below load: some warn on import
 from diffusers.optimization import get_scheduler
 from genrl.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.checkpointing import (
-    checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, run_identity, run_record, save_checkpoint,
+    checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, read_state, run_identity, run_record, save_checkpoint,
     set_aside_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
@@ -43,7 +43,7 @@ from genrl.distributed import (
 )
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error, said_once, stop_line
-from genrl.experience import collect_rollouts, epoch_advantages
+from genrl.experience import ScoredRollouts, collect_rollouts, epoch_advantages
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
@@ -64,7 +64,8 @@ from genrl.throughput import PhaseFigures, TransformerTally, count_transformer_f
 from genrl.train_args import parse_args, sampling_configs
 from genrl.train_logging import EvalPlan, RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
 from genrl.trainable import frozen_copy, make_trainable
-from genrl.update import update_policy
+from genrl.update import UpdateStopped, update_policy
+from genrl.update_checkpoint import UpdateInProgress, load_update_in_progress
 from genrl.zero_init import describe_partitioned_build, zero3_init_requested
 
 logger = get_logger(__name__)
@@ -243,7 +244,7 @@ def main(args, held: ExitStack | None = None):
     run_config = run_record(args, policy.family, sys.argv, reward_models=describe_reward_models())
 
     # ---- Resume, trackers, logs ------------------------------------------------------------------
-    global_step, first_epoch, saved_step = 0, 0, None
+    global_step, first_epoch, saved_step, pending = 0, 0, None, None
     if resume_path is not None:
         accelerator.print(f"Resuming from {resume_path}")
         try:
@@ -252,6 +253,8 @@ def main(args, held: ExitStack | None = None):
         except ValueError as e:  # an unsafe or unreadable file, the wrong number of processes
             raise SystemExit(f"train_genrl.py: error: {e}")
         first_epoch, saved_step = last_epoch + 1, global_step
+        if read_state(resume_path).get("update_in_progress"):  # stopped inside an epoch's update
+            pending = load_update_in_progress(resume_path, accelerator.process_index, device)
     elif args.resume_from_checkpoint:
         accelerator.print(f"No checkpoint in {args.output_dir} yet: starting a new run.")
     metrics_path = os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl")
@@ -295,56 +298,71 @@ def main(args, held: ExitStack | None = None):
         rng_at_epoch_start = capture_rng_states()  # what a checkpoint taken during the rollouts records
         tally.take()  # the forwards since the last epoch (evaluation) are not this epoch's
 
-        # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
-        model.eval()
-        if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
-            with zero_init_disabled():
-                reward_fn = build_rewards()
-        try:
-            with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
-                scored = collect_rollouts(
-                    policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
-                    config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
-                    reward_workers=args.reward_workers, stop=partial(preemption.agreed, accelerator),
-                )
-        except Preempted:  # the weights are the last finished epoch's: so is the checkpoint
-            restore_rng_states(rng_at_epoch_start)
-            progress.close()
-            stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step,
-                           nonfinite=bool(guard.consecutive))
-        except NonFiniteSamples as error:  # these weights diverged: a checkpoint of them must not be resumed
-            # The last checkpoint holds these weights when every optimizer step since it was skipped.
-            holds_them = saved_step is not None and global_step - saved_step <= guard.consecutive
-            aside = set_aside_checkpoint(accelerator, args.output_dir, saved_step, node_local=node_local) if holds_them else None
-            kept = checkpoint_dirs(args.output_dir)
-            untrained = resume_path is not None and global_step == saved_step and epoch == first_epoch
-            raise NonFiniteError(samples_stop_message(
-                error.epoch, error.step, args.learning_rate, set_aside=aside, last_good=os.path.basename(kept[-1]) if kept else None,
-                resumed_from=resume_path if untrained else None,
-            )) from None
-        rollout_flops = tally.take()
-        if args.reward_clear_before_train:
-            reward_fn = None
-            clear_reward_models()
+        if pending is not None and pending.epoch == epoch:  # its update stopped part-way: finish it
+            scored = ScoredRollouts(pending.rollout, rewards={}, timings=pending.timings)
+            advantages, rollout_flops, step_at_epoch_start = pending.advantages, pending.rollout_flops, pending.step_at_epoch_start
+        else:
+            # 1-4. Prompt groups, rollouts, decoded samples to the CPU, rewards (async: as they come).
+            model.eval()
+            if reward_fn is None:  # freed before the last update (--reward_clear_before_train)
+                with zero_init_disabled():
+                    reward_fn = build_rewards()
+            try:
+                with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+                    scored = collect_rollouts(
+                        policy, model, train_set, sampler.batches(epoch), reward_fn, accelerator=accelerator, guard=guard,
+                        config=sampling, seed=args.seed, epoch=epoch, global_step=global_step, reward_mode=args.reward_mode,
+                        reward_workers=args.reward_workers, stop=partial(preemption.agreed, accelerator),
+                    )
+            except Preempted:  # the weights are the last finished epoch's: so is the checkpoint
+                restore_rng_states(rng_at_epoch_start)
+                progress.close()
+                stop_preempted(accelerator, preemption, save, global_step=global_step, epoch=epoch - 1, saved_step=saved_step,
+                               nonfinite=bool(guard.consecutive))
+            except NonFiniteSamples as error:  # these weights diverged: a checkpoint of them must not be resumed
+                # The last checkpoint holds these weights when every optimizer step since it was skipped.
+                holds_them = saved_step is not None and global_step - saved_step <= guard.consecutive
+                aside = set_aside_checkpoint(accelerator, args.output_dir, saved_step, node_local=node_local) if holds_them else None
+                kept = checkpoint_dirs(args.output_dir)
+                untrained = resume_path is not None and global_step == saved_step and epoch == first_epoch
+                raise NonFiniteError(samples_stop_message(
+                    error.epoch, error.step, args.learning_rate, set_aside=aside, last_good=os.path.basename(kept[-1]) if kept else None,
+                    resumed_from=resume_path if untrained else None,
+                )) from None
+            rollout_flops = tally.take()
+            if args.reward_clear_before_train:
+                reward_fn = None
+                clear_reward_models()
 
-        # 5. Advantages over the whole epoch, all ranks.
-        advantages = epoch_advantages(
-            accelerator, scored.rewards, reward_weights, group_ids=sampler.group_ids(),
-            reward_combine=args.reward_combine, std_mode=args.std_mode,
-            adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
-            micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
-            train_samples_per_group=args.train_samples_per_group,
-        )
+            # 5. Advantages over the whole epoch, all ranks.
+            advantages = epoch_advantages(
+                accelerator, scored.rewards, reward_weights, group_ids=sampler.group_ids(),
+                reward_combine=args.reward_combine, std_mode=args.std_mode,
+                adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
+                micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+                train_samples_per_group=args.train_samples_per_group,
+            )
 
         # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples noised
         #    again (nft, awm); 7. the EMA every --ema_update_interval optimizer steps.
         t0 = time.perf_counter()
         skipped_before = guard.skipped
-        update = update_policy(
-            policy, model, optimizer, lr_scheduler, accelerator, scored.rollout, advantages.advantages, advantages.kept,
-            config=update_config, sampling=sampling, seed=args.seed, epoch=epoch, global_step=global_step, guard=guard,
-            ema=ema, frozen_reference=ref_transformer, sampling_policy=sampling_policy, progress=progress,
-        )
+        resume_update = pending.update if pending is not None and pending.epoch == epoch else None
+        if resume_update is not None:
+            skipped_before -= resume_update.skipped_steps
+        try:
+            update = update_policy(
+                policy, model, optimizer, lr_scheduler, accelerator, scored.rollout, advantages.advantages, advantages.kept,
+                config=update_config, sampling=sampling, seed=args.seed, epoch=epoch, global_step=global_step, guard=guard,
+                ema=ema, frozen_reference=ref_transformer, sampling_policy=sampling_policy, progress=progress,
+                stop=partial(preemption.agreed, accelerator), resume=resume_update,
+            )
+        except UpdateStopped as stopped:  # after a whole optimizer step: keep the epoch's experience to finish it
+            progress.close()
+            in_progress = UpdateInProgress(epoch, step_at_epoch_start, scored.rollout, advantages, scored.timings,
+                                           rollout_flops, stopped.partial)
+            stop_preempted(accelerator, preemption, partial(save, in_progress=in_progress), global_step=stopped.global_step,
+                           epoch=epoch - 1, saved_step=saved_step, nonfinite=bool(guard.consecutive))
         global_step = update.global_step
         train_seconds = time.perf_counter() - t0
         epoch_seconds = time.perf_counter() - epoch_start
@@ -400,15 +418,17 @@ def main(args, held: ExitStack | None = None):
 
 
 def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_step: int, epoch: int, run_config: dict,
-                             identity: dict, pushes: list, sampling_policy=None, node_local: bool = False) -> str:
-    """``checkpoint-<global_step>`` after ``epoch`` (every rank), then (main process, with
-    --push_checkpoints) its upload in the background, its future appended to ``pushes``. Returns its path."""
+                             identity: dict, pushes: list, sampling_policy=None, node_local: bool = False,
+                             in_progress: UpdateInProgress | None = None) -> str:
+    """``checkpoint-<global_step>`` after ``epoch`` (every rank; ``in_progress``: with the next
+    epoch's update stopped part-way), then (main process, with --push_checkpoints) its upload in
+    the background, its future appended to ``pushes``. Returns its path."""
     for push in pushes:  # pruning must not delete a checkpoint still uploading
         push.exception()
     path = save_checkpoint(
         accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
         use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
-        sampling_policy=sampling_policy, node_local=node_local,
+        sampling_policy=sampling_policy, node_local=node_local, in_progress=in_progress,
     )
     logger.info(f"Saved {path}")
     if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:

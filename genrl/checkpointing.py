@@ -38,6 +38,7 @@ from genrl.node_storage import STATE_FILE, agree_on_resume, checkpoint_step, che
 from genrl.policies import FlowPolicy, load_policy
 from genrl.redact import redact_args
 from genrl.safe_load import load_weights_only, verify_checkpoint
+from genrl.update_checkpoint import EXPERIENCE_DIR, UpdateInProgress, save_update_in_progress
 
 CONFIG_FILE = "genrl_config.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -392,8 +393,11 @@ def save_checkpoint(
     run: dict[str, Any] | None = None,
     sampling_policy: EMA | None = None,
     node_local: bool = False,
+    in_progress: UpdateInProgress | None = None,
 ) -> str:
-    """Save everything needed to resume after ``epoch`` (and an export for evaluation).
+    """Save everything needed to resume after ``epoch`` (and an export for evaluation); with
+    ``in_progress``, also this rank's part of the next epoch, whose update stopped part-way
+    (:mod:`genrl.update_checkpoint`), so that the resumed run finishes it.
     Written to ``checkpoint-<step>.tmp`` and renamed when every rank's files are in; only then are
     the oldest checkpoints pruned to ``total_limit``. ``run`` (:func:`run_identity`) is recorded in
     ``genrl_state.json``, so that only the same run resumes it, with the distributed format and
@@ -417,12 +421,17 @@ def save_checkpoint(
             if shadow is not None:
                 os.makedirs(os.path.join(tmp, folder), exist_ok=True)
                 torch.save(shadow.state_dict(), os.path.join(tmp, folder, f"rank{accelerator.process_index}.pt"))
+        if in_progress is not None:
+            save_update_in_progress(tmp, accelerator.process_index, in_progress)
         export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
         accelerator.wait_for_everyone()  # every rank's files are in before the folder is complete
         if writer:
             state = {"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes,
                      "format": checkpoint_format(accelerator),
                      "per_rank_dirs": [folder for folder, shadow in shadows if shadow is not None]}
+            if in_progress is not None:
+                state["per_rank_dirs"].append(EXPERIENCE_DIR)
+                state["update_in_progress"] = {"epoch": in_progress.epoch, "micro_steps": in_progress.update.micro_steps}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
                 json.dump({**state, "run": run} if run is not None else state, f)
             shutil.rmtree(final, ignore_errors=True)

@@ -35,6 +35,11 @@ against the reward `{{ reward_spec }}`.
 This repository holds a LoRA adapter of the transformer (`pytorch_lora_weights.safetensors`).
 {% else %}
 This repository holds the fine-tuned transformer (`transformer/`, diffusers format).
+{% endif %}{% if settings %}
+**Sample it as it was evaluated: {{ settings_text }}** (`{{ settings_file }}`). The scores below were
+measured there. At other settings, the pipeline's own defaults included, it was not evaluated and
+can score below its base model (a model trained unguided need not stay good under guidance):
+check a setting with `eval_genrl.py` before relying on it.{% if ode_note %} {{ ode_note }}{% endif %}
 {% endif %}
 ## How to use
 
@@ -48,7 +53,9 @@ pipe = DiffusionPipeline.from_pretrained("{{ base_ref }}", torch_dtype=dtype)
 {% if is_lora %}pipe.load_lora_weights("{{ weights_ref }}", weight_name="pytorch_lora_weights.safetensors")
 {% else %}pipe.transformer = type(pipe.transformer).from_pretrained("{{ weights_ref }}", subfolder="transformer", torch_dtype=dtype)
 {% endif %}pipe.to(device)
-```
+{% if settings %}settings = {{ settings_literal }}  # what the scores below were measured with
+{{ output_name }} = pipe("{{ example_prompt }}", **settings).{{ output_attr }}[0]
+{% endif %}```
 {% if before_after_rows %}
 ## Evaluation
 
@@ -69,8 +76,10 @@ Held-out prompts, deterministic sampling, before and after training:
 {% if watch_alarms %}Alarms raised during training (held-out rewards, sample diversity; see `training_curves.png`):
 
 {% for step, sentence in watch_alarms %}- step {{ step }}: {{ sentence }}
-{% endfor %}{% else %}No alarm was raised: no held-out reward fell while the trained one rose, and the diversity
-of a prompt's samples held.
+{% endfor %}{% else %}No alarm was raised: no held-out reward fell while the trained one rose{% if diversity_text %}, and
+the diversity stayed above the alarm's threshold{% endif %}.
+{% endif %}{% if diversity_text %}
+{{ diversity_text }}
 {% endif %}{% endif %}{% if images %}
 ## Samples
 
@@ -159,6 +168,49 @@ def _used_hyperparameters(hyperparameters: dict) -> dict:
     return {k: v for k, v in hyperparameters.items() if k not in unused}
 
 
+SAMPLING_FILE = "sampling_config.json"
+
+
+def sampling_settings(args: dict, is_video: bool) -> dict:
+    """The keyword arguments of a diffusers pipeline call that samples as the run's evaluation
+    did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
+    guidance, size, frames and text length where the run set them, the negative prompt where
+    guidance uses it."""
+    guidance = args.get("eval_guidance_scale")
+    guidance = args.get("guidance_scale") if guidance is None else guidance
+    settings = {
+        "num_inference_steps": args.get("eval_num_inference_steps") or args.get("num_inference_steps"),
+        "guidance_scale": guidance,
+        "height": args.get("height"),
+        "width": args.get("width"),
+        "num_frames": args.get("num_frames") if is_video else None,
+        "max_sequence_length": args.get("max_sequence_length"),
+        "negative_prompt": args.get("negative_prompt") if guidance is not None and guidance > 1 else None,
+    }
+    return {k: v for k, v in settings.items() if v not in (None, "")}
+
+
+def _settings_text(settings: dict) -> str:
+    text = f"{settings['num_inference_steps']} steps at guidance {settings['guidance_scale']:g}"
+    if "height" in settings and "width" in settings:
+        text += f", {settings['height']}x{settings['width']}"
+    if "num_frames" in settings:
+        text += f", {settings['num_frames']} frames"
+    return text
+
+
+def diversity_sentence(before: dict | None, after: dict | None, alarm_fraction: float | None) -> str:
+    """How the diversity of a prompt's samples (``eval/diversity``) went from the first evaluation
+    to the last, as a fraction of the first, and the watch's alarm threshold; empty without both."""
+    first, last = (before or {}).get("eval/diversity"), (after or {}).get("eval/diversity")
+    if not isinstance(first, (int, float)) or not isinstance(last, (int, float)) or first <= 0:
+        return ""
+    text = f"The diversity of a prompt's samples (`eval/diversity`) went from {first:.4f} to {last:.4f}, {last / first:.0%} of its start"
+    if alarm_fraction is not None:
+        text += f"; the watch alarms below {alarm_fraction:.0%} (`--watch_diversity_fraction`)"
+    return text + "."
+
+
 def _base_model_name(base_model: str, is_hub_id: bool) -> str:
     """A Hub id as it is; a local folder by its name (an absolute path names this machine only)."""
     return base_model if is_hub_id else os.path.basename(os.path.normpath(base_model))
@@ -200,8 +252,11 @@ def write_model_card(
     eval_steps: tuple[int, int] | None = None,
     objective: str = "grpo",
     watch_alarms: Sequence[tuple[int, str]] | None = None,
+    settings: dict | None = None,
+    diversity_text: str = "",
 ) -> str:
-    """Write ``export_dir/README.md`` and return its path.
+    """Write ``export_dir/README.md`` and return its path; with ``settings``
+    (:func:`sampling_settings`) also ``export_dir/sampling_config.json``.
 
     Args:
         export_dir: the export folder; a LoRA export is recognised by its
@@ -228,6 +283,10 @@ def write_model_card(
             in the text and the tags.
         watch_alarms: the reward watch's ``(step, sentence)`` alarms (``RewardWatch.alarms``);
             None (no evaluation ran) leaves the section out, empty says none was raised.
+        settings: the pipeline call's keyword arguments the scores were measured with: the card
+            states them first, its snippet samples with them, and they are written to
+            ``sampling_config.json``.
+        diversity_text: :func:`diversity_sentence`, shown in the watch's section.
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
@@ -243,6 +302,10 @@ def write_model_card(
         pipeline_tag=pipeline_tag,
         tags=card_tags,
     )
+    if settings:
+        with open(os.path.join(export_dir, SAMPLING_FILE), "w") as f:
+            json.dump(settings, f, indent=2)
+    ode_solver = hyperparameters.get("ode_solver", "euler")
     card = ModelCard.from_template(
         card_data,
         template_str=_TEMPLATE,
@@ -261,6 +324,17 @@ def write_model_card(
         after_label=f"after (step {eval_steps[1]})" if eval_steps else "after",
         images=_card_images(export_dir, sample_images),
         launch_command=launch_command or "(not recorded)",
+        settings=settings or None,
+        settings_text=_settings_text(settings) if settings else "",
+        settings_file=SAMPLING_FILE,
+        settings_literal=json.dumps(settings or {}),
+        ode_note="" if ode_solver == "euler" else (
+            f"Its evaluation integrated with genrl's `{ode_solver}` solver (`eval_genrl.py`); the diffusers pipeline "
+            "integrates with Euler, which samples somewhat differently."),
+        output_name="video" if pipeline_tag == "text-to-video" else "image",
+        output_attr="frames" if pipeline_tag == "text-to-video" else "images",
+        example_prompt="a photo of a cat" if pipeline_tag != "text-to-video" else "a cat walking in the snow",
+        diversity_text=diversity_text,
         # a "|" would end a markdown table cell
         hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in _used_hyperparameters(hyperparameters).items()),
     )
@@ -287,6 +361,7 @@ def write_run_card(
     ``eval/*`` values of the last evaluation, when the log holds none), and the reward watch's
     ``watch_alarms``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
+    args = run_config["args"]
     return write_model_card(
         export_dir,
         base_model=run_config["base_model"],
@@ -302,4 +377,7 @@ def write_run_card(
         repo_id=repo_id,
         pipeline_tag="text-to-video" if is_video else "text-to-image",
         watch_alarms=watch_alarms,
+        settings=sampling_settings(args, is_video),
+        diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
+        if len(evals) > 1 else "",
     )

@@ -97,7 +97,7 @@ def missing_rank_files(path: str, rank: int, per_rank_dirs: list[str] | tuple[st
     """What checkpoint ``path`` lacks of rank ``rank``'s files (names relative to ``path``): the
     state file, Accelerate's RNG states, the model and optimizer states (DeepSpeed's shard of this
     rank under ``pytorch_model/``, else Accelerate's model and optimizer files) and genrl's per-rank
-    states (``<dir>/rank<r>.pt`` for each of ``per_rank_dirs``)."""
+    states (``<dir>/rank<r>.pt`` or ``.safetensors`` for each of ``per_rank_dirs``)."""
     missing = [name for name in (STATE_FILE, f"random_states_{rank}.pkl") if not os.path.isfile(os.path.join(path, name))]
     deepspeed_dir = os.path.join(path, "pytorch_model")
     if os.path.isdir(deepspeed_dir):
@@ -112,7 +112,7 @@ def missing_rank_files(path: str, rank: int, per_rank_dirs: list[str] | tuple[st
             missing.append("model.safetensors")
         if not os.path.isfile(os.path.join(path, "optimizer.bin")):
             missing.append("optimizer.bin")
-    missing += [f"{d}/rank{rank}.pt" for d in per_rank_dirs if not os.path.isfile(os.path.join(path, d, f"rank{rank}.pt"))]
+    missing += [f"{d}/rank{rank}.pt" for d in per_rank_dirs if not glob.glob(os.path.join(path, d, f"rank{rank}.*"))]
     return missing
 
 

@@ -3,13 +3,14 @@
 Clusters signal a job before they kill it (SLURM: SIGTERM, or the signal of
 ``--signal=USR1@N``; Kubernetes: SIGTERM, then ``terminationGracePeriodSeconds``). The handler
 only notes the signal; the trainer asks :meth:`PreemptionWatch.agreed` at its safe points (before
-each rollout batch, after each epoch's update), a collective, so that every rank stops at the same
+each rollout batch, after each optimizer step), a collective, so that every rank stops at the same
 point even when the signal reached only some of them, and no rank ever saves alone.
 
 At a safe point the weights are those after a whole optimizer step: during the rollouts, those of
 the last finished epoch (the rollout is dropped and redone on resume, with the global random state
-of the epoch's start restored first, so the resumed run is the uninterrupted one); after an update,
-the epoch's own. A second signal while the run is stopping is noted and ignored: the checkpoint is
+of the epoch's start restored first, so the resumed run is the uninterrupted one); inside an
+update, the step's, and the checkpoint keeps the epoch's samples to finish the update on resume
+(:mod:`genrl.update_checkpoint`). A second signal while the run is stopping is noted and ignored: the checkpoint is
 written to ``<name>.tmp`` and renamed when complete, so only SIGKILL can cut it short, and then the
 earlier checkpoints are intact.
 """

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -38,6 +38,19 @@ from genrl.objectives import UpdateConfig, get_objective
 from genrl.policies.base import FlowPolicy
 from genrl.rollout import Rollout, SamplingConfig
 from genrl.seeding import mix_seeds
+from genrl.update_checkpoint import PartialUpdate
+
+
+class UpdateStopped(Exception):
+    """Every rank agreed to stop after an optimizer step with more of the update to run.
+
+    partial: how far the update got (what a checkpoint keeps to finish it on resume).
+    global_step: the optimizer-step count at the stop.
+    """
+
+    def __init__(self, partial: PartialUpdate, global_step: int):
+        super().__init__(f"stopped at step {global_step}")
+        self.partial, self.global_step = partial, global_step
 
 
 @dataclass
@@ -135,13 +148,20 @@ def update_policy(
     frozen_reference: torch.nn.Module | None = None,
     sampling_policy: EMA | None = None,
     progress=None,
+    stop: Callable[[], bool] | None = None,
+    resume: PartialUpdate | None = None,
 ) -> UpdateResult:
     """Train on this process's ``rollout`` (B samples, ``advantages`` ``(B,)``) at the samples
     ``kept`` ``(k,)``, from optimizer step ``global_step``; ``progress`` (a tqdm bar) counts the
     optimizer steps. ``sampling`` is how the rollout was sampled (GRPO recomputes its log-probs).
     ``sampling_policy``: the soft-updated weights the rollout was sampled with (nft, awm); NFT's
     old velocities come from them, and they step towards the trained weights after every
-    optimizer step."""
+    optimizer step.
+
+    ``stop`` (a collective: every rank gets the same answer) is asked after each optimizer step
+    that leaves more to do; when it says so the update raises :class:`UpdateStopped`.
+    ``resume``: such a stop's :class:`~genrl.update_checkpoint.PartialUpdate`, from a checkpoint;
+    the update continues its plan after the micro steps it did, with what it had prepared."""
     objective = get_objective(config.objective)
     model.train()
     generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
@@ -155,12 +175,19 @@ def update_policy(
             record = [idx for idx, _ in plan[fresh :: config.num_timesteps]]
         else:
             record = list(kept.split(config.micro_batch_size))
-    with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
-        prepared = objective.prepare(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
-                                     device=accelerator.device)
-    result = UpdateResult(global_step)
+    if resume is not None:
+        prepared, start = resume.prepared, resume.micro_steps
+        result = UpdateResult(global_step, step_stats=list(resume.step_stats), grad_norms=list(resume.grad_norms))
+    else:
+        with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
+            prepared = objective.prepare(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
+                                         device=accelerator.device)
+        start, result = 0, UpdateResult(global_step)
+    skipped_at_start = guard.skipped - (resume.skipped_steps if resume is not None else 0)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
     for n, (idx, timestep) in enumerate(plan):
+        if n < start:  # done before the checkpoint this run resumed
+            continue
         with accelerator.accumulate(model):
             loss, stats = objective.loss(
                 policy, model, rollout, prepared, idx, timestep, advantages, config=config, sampling=sampling,
@@ -189,4 +216,7 @@ def update_policy(
             if config.max_train_steps is not None and result.global_step >= config.max_train_steps:
                 result.reached_max_steps = True
                 break
+            if stop is not None and n + 1 < len(plan) and stop():
+                partial = PartialUpdate(n + 1, prepared, result.step_stats, result.grad_norms, guard.skipped - skipped_at_start)
+                raise UpdateStopped(partial, result.global_step)
     return result

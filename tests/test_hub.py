@@ -231,3 +231,30 @@ def test_model_card_names_the_objective_it_was_trained_with(tmp_path):
     card = ModelCard.load(str(export / "README.md"))
     assert "diffusion-nft" in card.data.tags and "grpo" not in card.data.tags
     assert "(DiffusionNFT)" in card.text and "GRPO" not in card.text.split("## Training")[0]
+
+
+def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversity_start_to_end(tmp_path):
+    from genrl.model_card import write_run_card
+
+    export = tmp_path / "export"
+    (export / "transformer").mkdir(parents=True)
+    metrics = tmp_path / "metrics.jsonl"
+    lines = [{"step": 0, "eval/toy_geneval_mean": 0.33, "eval/diversity": 0.25},
+             {"step": 200, "eval/toy_geneval_mean": 0.78, "eval/diversity": 0.18}]
+    metrics.write_text("".join(json.dumps(l) + "\n" for l in lines))
+    args = {"num_inference_steps": 10, "guidance_scale": 4.5, "eval_guidance_scale": 1.0, "eval_num_inference_steps": None,
+            "negative_prompt": "blurry", "height": 64, "width": 96, "num_frames": 9, "watch_diversity_fraction": 0.5,
+            "ode_solver": "ab2"}
+    config = {"base_model": "tiny/sd3", "reward_fn": "toy_geneval", "args": args, "launch_command": "x", "family": "sd3"}
+    card = ModelCard.load(write_run_card(str(export), str(metrics), config, objective="nft", is_video=False, last_eval={},
+                                         sample_images=[], watch_alarms=[])).text
+    settings = {"num_inference_steps": 10, "guidance_scale": 1.0, "height": 64, "width": 96}  # unguided: no negative prompt
+    assert json.loads((export / "sampling_config.json").read_text()) == settings
+    first_lines = card.split("## How to use")[0]
+    assert "Sample it as it was evaluated: 10 steps at guidance 1, 64x96**" in first_lines
+    assert "the pipeline's own defaults included, it was not evaluated" in first_lines
+    assert "`ab2` solver" in first_lines  # the pipeline integrates otherwise
+    assert f"settings = {json.dumps(settings)}" in card and 'image = pipe("a photo of a cat", **settings).images[0]' in card
+    assert "diversity stayed above the alarm's threshold" in card
+    assert "went from 0.2500 to 0.1800, 72% of its start; the watch alarms below 50%" in card
+    assert "samples held" not in card
