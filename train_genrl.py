@@ -34,7 +34,7 @@ from diffusers.optimization import get_scheduler
 from genrl.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.checkpointing import (
     checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, read_state, run_identity, run_record, save_checkpoint,
-    set_aside_checkpoint, trim_metrics,
+    prune_checkpoints, set_aside_checkpoint, trim_metrics,
 )
 from genrl.data import load_prompts
 from genrl.distributed import (
@@ -330,6 +330,8 @@ def main(args, held: ExitStack | None = None):
                     resumed_from=resume_path if untrained else None,
                 )) from None
             rollout_flops = tally.take()
+            if saved_step is not None:  # its weights sampled finite rollouts: the older checkpoints may go now
+                prune_kept_checkpoints(accelerator, args, checkpoint_pushes, node_local=node_local)
             if args.reward_clear_before_train:
                 reward_fn = None
                 clear_reward_models()
@@ -407,6 +409,7 @@ def main(args, held: ExitStack | None = None):
     # ---- Export, plots, model card, Hub ----------------------------------------------------------
     if guard.consecutive:  # weights that just gave a non-finite loss are not exported
         raise NonFiniteError(guard.stop_message(global_step))
+    prune_kept_checkpoints(accelerator, args, checkpoint_pushes, node_local=node_local)  # the export's weights sampled
     export_model(accelerator, model, policy, args.output_dir, config=run_config, use_lora=args.use_lora, ema=ema)
     push_failed = accelerator.is_main_process and not publish_export(
         args, run_config, metrics_path, last_eval=last_eval, is_video=policy.is_video, checkpoint_pushes=checkpoint_pushes,
@@ -427,13 +430,25 @@ def save_and_push_checkpoint(accelerator, model, policy, ema, args, *, global_st
         push.exception()
     path = save_checkpoint(
         accelerator, model, policy, args.output_dir, global_step=global_step, epoch=epoch, config=run_config,
-        use_lora=args.use_lora, ema=ema, total_limit=args.checkpoints_total_limit, run=identity,
+        use_lora=args.use_lora, ema=ema, total_limit=None, run=identity,
         sampling_policy=sampling_policy, node_local=node_local, in_progress=in_progress,
     )
     logger.info(f"Saved {path}")
     if args.push_to_hub and args.push_checkpoints and accelerator.is_main_process:
         pushes.append(push_checkpoint_async(path, repo_id=args.hub_model_id, token=args.hub_token, private=args.hub_private))
     return path
+
+
+def prune_kept_checkpoints(accelerator, args, pushes: list, *, node_local: bool) -> None:
+    """Remove the oldest checkpoints beyond --checkpoints_total_limit (on each process that writes
+    them), once the newest one's weights have sampled finite rollouts, so that a checkpoint set
+    aside for diverged weights always leaves the one before it; never one still uploading."""
+    if not args.checkpoints_total_limit or not checkpoint_writer(accelerator, node_local):
+        return
+    for push in pushes:
+        push.exception()
+    kept = checkpoint_dirs(args.output_dir)
+    prune_checkpoints(args.output_dir, args.checkpoints_total_limit, keep=kept[-1] if kept else None)
 
 
 def stop_preempted(accelerator, preemption: PreemptionWatch, save, *, global_step: int, epoch: int, saved_step: int | None,

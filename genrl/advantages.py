@@ -105,6 +105,24 @@ def combine_rewards(
     )
 
 
+def fill_abstentions(rewards: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``(N,)`` rewards with each NaN (a reward that abstained on that sample) replaced by the mean
+    of the finite rewards of its prompt group, r_i <- mean_{j in g(i), r_j finite} r_j, so that the
+    sample carries no signal of this reward (its group-normalised advantage is 0, up to rounding); a group with no
+    finite reward gets 0 throughout (a constant group: advantage 0). Rewards without NaN come back
+    unchanged."""
+    missing = rewards.isnan()
+    if not missing.any():
+        return rewards
+    _, inverse = torch.unique(group_ids, return_inverse=True)
+    known = (~missing).to(torch.float64)
+    values = torch.where(missing, torch.zeros_like(rewards), rewards).to(torch.float64)
+    sums = torch.zeros(int(inverse.max()) + 1, dtype=torch.float64).index_add_(0, inverse, values)
+    counts = torch.zeros_like(sums).index_add_(0, inverse, known)
+    means = torch.where(counts > 0, sums / counts.clamp(min=1), torch.zeros_like(sums))
+    return torch.where(missing, means[inverse].to(rewards.dtype), rewards)
+
+
 def clip_advantages(adv: torch.Tensor, adv_clip_max: float) -> torch.Tensor:
     """A clipped to [-adv_clip_max, adv_clip_max]."""
     if adv_clip_max <= 0:

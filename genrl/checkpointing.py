@@ -13,9 +13,11 @@ states), ``genrl_state.json`` (step and epoch), ``ema/rank<r>.pt`` (each rank's 
 a soft-updated sampling policy, ``sampling_policy/rank<r>.pt``.
 A checkpoint is written to ``<name>.tmp`` and renamed when complete, so a run killed while
 saving never leaves a half checkpoint that ``--resume_from_checkpoint latest`` would pick.
-Older checkpoints are pruned to ``--checkpoints_total_limit`` only after that rename, and a
-save that fails (a full disk included) removes its ``.tmp``: the last good checkpoint is
-never lost to a save that did not finish.
+Older checkpoints are pruned to ``--checkpoints_total_limit`` only after that rename, and only
+once the new checkpoint's weights have sampled finite rollouts (the trainer prunes after the
+next epoch's rollouts): a checkpoint whose weights then give NaN samples is set aside, and the one
+before it must still be there. A save that fails (a full disk included) removes its ``.tmp``: the
+last good checkpoint is never lost to a save that did not finish.
 """
 
 from __future__ import annotations
@@ -399,7 +401,8 @@ def save_checkpoint(
     ``in_progress``, also this rank's part of the next epoch, whose update stopped part-way
     (:mod:`genrl.update_checkpoint`), so that the resumed run finishes it.
     Written to ``checkpoint-<step>.tmp`` and renamed when every rank's files are in; only then are
-    the oldest checkpoints pruned to ``total_limit``. ``run`` (:func:`run_identity`) is recorded in
+    the oldest checkpoints pruned to ``total_limit`` (None: the caller prunes later,
+    :func:`prune_checkpoints`). ``run`` (:func:`run_identity`) is recorded in
     ``genrl_state.json``, so that only the same run resumes it, with the distributed format and
     the per-rank folders. ``node_local``: each node completes its own copy
     (:mod:`genrl.node_storage`). Returns the path.

@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from genrl.advantages import (
-    balanced_keep_mask, clip_advantages, combine_rewards, max_variance_subset, zero_std_ratio,
+    balanced_keep_mask, clip_advantages, combine_rewards, fill_abstentions, max_variance_subset, zero_std_ratio,
 )
 from genrl.data import PromptSet
 from genrl.nan_guard import NonFiniteGuard
@@ -141,8 +141,9 @@ def epoch_advantages(
     device = accelerator.device
     names = list(weights)
     n_local = len(rewards[names[0]])
-    gathered = {name: accelerator.gather(rewards[name].to(device)).cpu() for name in names}
+    raw = {name: accelerator.gather(rewards[name].to(device)).cpu() for name in names}
     group_ids = accelerator.gather(group_ids.to(device)).cpu()
+    gathered = {name: fill_abstentions(raw[name], group_ids) for name in names}  # NaN: a judge gave no score
     advantages = clip_advantages(
         combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
     )
@@ -162,8 +163,10 @@ def epoch_advantages(
         index = selected.nonzero()[:, 1].view(accelerator.num_processes, -1)
         chosen = balanced_keep_mask(per_rank.gather(1, index), micro_batch_size)
         keep = torch.zeros_like(selected).scatter_(1, index, chosen)
-    logs = {f"reward/{n}_mean": gathered[n].mean().item() for n in names}
-    logs.update({f"reward/{n}_std": gathered[n].std(unbiased=False).item() for n in names})
+    scored = {n: raw[n][~raw[n].isnan()] for n in names}  # the samples each reward scored
+    logs = {f"reward/{n}_mean": scored[n].mean().item() for n in names}
+    logs.update({f"reward/{n}_std": scored[n].std(unbiased=False).item() for n in names})
+    logs.update({f"reward/{n}_abstained": 1 - len(scored[n]) / len(raw[n]) for n in names if len(scored[n]) < len(raw[n])})
     logs["reward/zero_std_ratio"] = zero_std_ratio(sum(weights[n] * gathered[n] for n in names), group_ids)
     logs["train/kept_fraction"] = keep.float().mean().item()
     logs["train/informative_fraction"] = (advantages.abs() > 1e-8).float().mean().item()

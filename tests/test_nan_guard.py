@@ -135,6 +135,22 @@ def test_a_checkpoint_of_weights_that_then_give_nan_samples_is_set_aside_and_nam
 
 
 @pytest.mark.slow
+def test_the_checkpoint_before_a_set_aside_one_survives_the_total_limit(tiny_sd3, prompt_file, tmp_path):
+    """One step per epoch, at most one checkpoint kept: step 1 is sane, step 2 (the rate raised
+    1e14-fold) makes the weights huge but finite, epoch 2's samples are NaN. checkpoint-2 is set
+    aside, and checkpoint-1 was not pruned for it: older checkpoints go only once the newest one's
+    weights have sampled finite rollouts."""
+    out = str(tmp_path / "out")
+    stderr = huge_lr_run(tiny_sd3, prompt_file, out, "jpeg_compressibility", tmp_path, 1, None, 1, "--train_batch_size", "4",
+                         "--learning_rate", "1e-4", "--lr_scheduler", "piecewise_constant", "--lr_step_rules", "1:1,1e14",
+                         "--checkpoints_total_limit", "1")
+    errors = script_errors(stderr)
+    assert len(errors) == 1 and errors[0].startswith("train_genrl.py: error: Stopped in epoch 2 after step 2"), stderr[-3000:]
+    assert "checkpoint-2, written from these weights, was set aside as checkpoint-2.nonfinite" in errors[0]
+    assert sorted(d for d in os.listdir(out) if d.startswith("checkpoint")) == ["checkpoint-1", "checkpoint-2.nonfinite"]
+
+
+@pytest.mark.slow
 def test_ranks_agree_and_stop_together_under_zero2(tiny_sd3, prompt_file, tmp_path):
     """A reward blind to NaN, two processes under ZeRO-2, four optimizer steps per epoch: step 1
     makes the weights huge, steps 2-4 give a NaN loss. Every rank skips the same steps and stops

@@ -105,12 +105,13 @@ def reward_model_handle(
 
 
 def describe_reward_models() -> dict[str, dict[str, str]]:
-    """``{model name: {"template_sha256": digest}}`` for each cached scorer that names the prompt
-    template it uses (the Qwen2-VL scorers): what a run records of its reward models, so that a
-    score can be traced to the template text that produced it."""
+    """``{model name: {"template_sha256": digest, ...}}`` for each cached scorer that names the
+    prompt template it uses (the Qwen2-VL scorers, the VLM judge, whose ``description`` adds its
+    endpoint, model and template): what a run records of its reward models, so that a score can
+    be traced to the template text and model that produced it."""
     with _LOCK:
-        return {key[0]: {"template_sha256": scorer.template_sha256} for key, scorer in _CACHE.items()
-                if getattr(scorer, "template_sha256", None)}
+        return {key[0]: {"template_sha256": scorer.template_sha256, **getattr(scorer, "description", {})}
+                for key, scorer in _CACHE.items() if getattr(scorer, "template_sha256", None)}
 
 
 def cache_key_of(scorer: Any) -> CacheKey | None:

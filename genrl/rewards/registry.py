@@ -216,7 +216,9 @@ class RewardFn:
     ``reward_fn(samples, prompts, metadata=None)`` -> ``{name: (N,) float32 CPU, ..., "total": (N,)}``
     with ``total = sum_i weight_i * score_i`` over the nonzero weights (weight 0: reported only). Attributes: ``names``, ``weights``, ``device``,
     ``allow_nan``. A NaN score ("not applicable to this sample", e.g. a position check on a
-    counting prompt) is an error unless ``allow_nan``; then it makes that sample's total NaN.
+    counting prompt) is an error unless ``allow_nan`` or the reward ``may_abstain`` (a judge that
+    gave no score: training counts it as its group's average, ``genrl.advantages.fill_abstentions``);
+    then it makes that sample's total NaN.
     """
 
     def __init__(
@@ -257,7 +259,8 @@ class RewardFn:
                     if name not in value:
                         raise RewardError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
                     value = value[name]
-                out[name] = _as_scores(value, name, n, self.allow_nan)
+                # A reward that may abstain (a judge that gave no score) returns NaN for that sample.
+                out[name] = _as_scores(value, name, n, self.allow_nan or getattr(self._fns[i], "may_abstain", False))
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
         total = torch.zeros(n, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights):
@@ -388,6 +391,7 @@ for _name in ("hpsv3", "hpsv3_top30"):
 for _name in ("videoalign_vq", "videoalign_mq", "videoalign_ta", "videoalign_overall"):
     register_reward(_name, "genrl.rewards.videoalign:build_videoalign_reward")
 register_reward("pickscore", "genrl.rewards.pickscore:build_pickscore_reward")
+register_reward("vlm_judge", "genrl.rewards.vlm_judge:build_vlm_judge_reward")
 
 
 def build_eval_reward_fn(
