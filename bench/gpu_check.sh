@@ -16,7 +16,7 @@
 # GPU_CHECK_PARTS="levers tests ..." runs only the named parts, in that order (names: versions
 # levers each_lever default zero tests); names joined by "+" run side by side, each part's
 # output printed whole when it ends (default: "versions levers each_lever default+zero+tests").
-# On the first H200 run the benchmark parts took about 4 + 4.5 minutes and the toy parts about
+# On an H200 the benchmark parts take about 4 + 4.5 minutes and the toy parts about
 # 3 side by side: with a 10-minute limit per call, run "versions levers each_lever" in one and
 # "default+zero+tests" in the next. GPU_CHECK_QUICK=1 runs every part at toy size (on a CPU
 # too): a check of the script itself.
@@ -47,7 +47,7 @@ print('diffusers', diffusers.__version__, 'accelerate', accelerate.__version__, 
 'transformers', transformers.__version__)"
 }
 
-wan_bench() {  # bench_h200_wan.py at the issue's shape with the given levers
+wan_bench() {  # bench_h200_wan.py at its Wan2.1-1.3B shape (33 frames, 240x416) with the given levers
     local size=()
     [ "$QUICK" = 1 ] && size=(--quick)
     python bench/bench_h200_wan.py "${size[@]}" "$@"

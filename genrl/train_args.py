@@ -45,7 +45,7 @@ DEFAULT_RUN = dict(
     train_batch_size=32,
     gradient_accumulation_steps=2,
     # 200 optimizer steps (100 epochs): NFT with PODS (below) is at about 0.78, level with the supervised
-    # ceiling, by then, in about the wall time the 260 steps of plain NFT took (docs/learning_history.md).
+    # ceiling, by then, in about the wall time the 260 steps of plain NFT took (docs/history.md).
     max_train_steps=200,
     num_epochs=100,
     # Every 40 steps, each of the 122 held-out prompts from four noises: one noise moves the score by
@@ -68,16 +68,16 @@ DEFAULT_RUN = dict(
 # GRPO needs recorded SDE steps: a 4-step window in the first 8 of 10 steps, one initial noise
 # per group. NFT and AWM train on clean samples: the plain ODE, each sample from its own noise,
 # re-noised at steps among the 6 noisiest of 10 (sigma >= 0.4), where the layout a prompt asks for
-# is decided (docs/learning_history.md: NFT reaches 0.6 in about two thirds of the steps). NFT trains all
-# 6 (timestep_fraction 0.6: steadier, docs/learning_history.md); AWM 4, as many as GRPO's window.
+# is decided (docs/history.md: NFT reaches 0.6 in about two thirds of the steps). NFT trains all
+# 6 (timestep_fraction 0.6: steadier, docs/history.md); AWM 4, as many as GRPO's window.
 # NFT samples 16 per prompt and trains the 8 whose rewards vary most (PODS): faster per step and
-# higher at the end than training all of 8, for about 1.4x the epoch (docs/learning_history.md). Its beta
+# higher at the end than training all of 8, for about 1.4x the epoch (docs/history.md). Its beta
 # is 0.5, not DiffusionNFT's 1: a weaker pull-back of each epoch's second step reaches 0.6 sooner
 # and ends as high and closer over six seeds; 0.3 starts barely faster and spreads the seeds. With
 # beta 0.5 its learning rate is 2e-4, not 1e-4: 0.6 by step 30 instead of 40 on six seeds and a
-# higher end (README "Learning"; at beta 1 larger rates had not paid, docs/learning_history.md);
+# higher end (README "Learning"; at beta 1 larger rates had not paid, docs/history.md);
 # 3e-4 ends higher on average but spreads six seeds 0.08 apart; with AdamW beta2 0.99 they stay together but
-# end no higher than 2e-4 (docs/learning_history.md).
+# end no higher than 2e-4 (docs/history.md).
 DEFAULT_RUN_BY_OBJECTIVE = {
     "grpo": dict(noise_level=0.7, same_latent=True, sde_window_size=4, sde_window_range=[0, 8], learning_rate=1e-4,
                  rollout_batches_per_epoch=4),

@@ -68,7 +68,7 @@ def test_the_no_argument_run_swaps_to_zero3_without_another_flag(monkeypatch, ca
 
 def test_the_no_argument_nft_trains_every_step_of_its_sigma_range():
     # The default NFT re-noises each sample at all of the shipped model's steps with sigma in
-    # the range (README "Learning": training 6 of 6 ended steadier than 4 of 6); a change of the
+    # the range (docs/history.md: training 6 of 6 ends steadier than 4 of 6); a change of the
     # schedule, the step count or the range that broke that would otherwise go unnoticed.
     from genrl.objectives import rollout_sigmas, steps_in_sigma_range
     from genrl.policies import load_policy

@@ -85,8 +85,8 @@ def test_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, capsys, ext
 
 @pytest.mark.parametrize("case", ["missing", "base", "no_ema"])
 def test_use_ema_without_ema_weights_is_one_sentence_naming_why(tiny_sd3, prompt_file, tmp_path, case):
-    """--use_ema on a path with no EMA weights: a folder that is not there (the README's
-    checkpoint example before the run wrote it), a base model, an export trained without EMA.
+    """--use_ema on a path with no EMA weights: a folder that is not there (a
+    checkpoint the run has not written), a base model, an export trained without EMA.
     Each ends in its own sentence (exit status 1), not a traceback calling it a base model."""
     model = {"missing": str(tmp_path / "genrl-output" / "checkpoint-40"), "base": tiny_sd3,
              "no_ema": str(tmp_path / "export")}[case]

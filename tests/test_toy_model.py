@@ -98,8 +98,8 @@ def test_pipeline_call_generates_an_image_batch(pipe):
 
 def test_checked_in_weights_are_trained(pipe):
     """With fixed seeds, held-out prompts score well above what the same pipeline with a
-    re-initialised transformer scores (measured on the model shipped since 2026-12-02: 0.39 against 0.17,
-    colour 0.67; it hedges at low guidance by design, see README)."""
+    re-initialised transformer scores (the shipped model: 0.39 against 0.17, colour 0.67; it hedges
+    at low guidance by design, docs/history.md "How the shipped toy model was trained")."""
     _, test_prompts = prompt_splits()
     prompts = test_prompts[:: len(test_prompts) // 32][:32]
 

@@ -63,7 +63,7 @@ def shm_before_runs() -> set[str]:
 
 
 # The lock file torch's JIT builder holds while it builds or loads DeepSpeed's CPU shared-memory
-# all-reduce op, which DeepSpeed's CPU backend used to load at every process start.
+# all-reduce op, which DeepSpeed's CPU backend would otherwise load at every process start.
 SHM_OP_LOCK = os.path.join("deepspeed_shm_comm", "lock")
 
 
