@@ -2,7 +2,6 @@
 (``genrl.config.SECTIONS``, one ``--help`` group each), with errors of one line."""
 
 import argparse
-import copy
 
 from transformers.hf_argparser import HfArgumentParser
 
@@ -12,22 +11,12 @@ from genrl.errors import said_once
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default, except where there is none to show (None, an off switch),
-    keeps the epilog's line breaks, and lists a flag once: the hyphenated spellings that
-    HfArgumentParser also accepts (``--group-size`` for ``--group_size``) are left out."""
+    and keeps the epilog's line breaks."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or action.default is False:
             return action.help
         return super()._get_help_string(action)
-
-    def _format_action_invocation(self, action: argparse.Action) -> str:
-        shown = [o for o in action.option_strings if o == o[:2] + o[2:].replace("-", "_")
-                 or o[:2] + o[2:].replace("-", "_") not in action.option_strings]
-        if len(shown) == len(action.option_strings):
-            return super()._format_action_invocation(action)
-        action = copy.copy(action)
-        action.option_strings = shown
-        return super()._format_action_invocation(action)
 
 
 class ConfigParser(HfArgumentParser):
@@ -36,9 +25,10 @@ class ConfigParser(HfArgumentParser):
     the same command line: the first of each machine says it (``said_once``). ``context``
     starts each error (the config file whose values are being read).
 
-    Beyond HfArgumentParser a field's metadata may give ``nargs`` (a fixed count, e.g. 2 for a
-    range), a switch that is on by default also takes argparse's ``--no-<name>`` spelling, and
-    a dataclass's ``_argument_group_description`` describes its group."""
+    Flags are spelled as their fields (``--group_size``, not also ``--group-size``: one name in
+    ``--help`` and in errors); a switch that is on by default is turned off by ``--no_<name>``
+    or argparse's ``--no-<name>``. A field's metadata may give ``nargs`` (a fixed count, e.g. 2
+    for a range), and a dataclass's ``_argument_group_description`` describes its group."""
 
     def __init__(self, dataclass_types, *, context: str = "", **kwargs):
         self.context = context
@@ -54,15 +44,20 @@ class ConfigParser(HfArgumentParser):
     @staticmethod
     def _parse_dataclass_field(parser, field) -> None:
         HfArgumentParser._parse_dataclass_field(parser, field)
-        action = parser._option_string_actions[f"--{field.name}"]
+        for name in (f"--{field.name}", f"--no_{field.name}"):
+            action = parser._option_string_actions.get(name)
+            hyphenated = name[:2] + name[2:].replace("_", "-")
+            if action is not None and hyphenated != name:
+                action.option_strings.remove(hyphenated)
+                del parser._option_string_actions[hyphenated]
         if "nargs" in field.metadata:  # HfArgumentParser reads a list as nargs="+"
-            action.nargs = field.metadata["nargs"]
+            parser._option_string_actions[f"--{field.name}"].nargs = field.metadata["nargs"]
         negative = parser._option_string_actions.get(f"--no_{field.name}")
-        spelling = f"--no-{field.name}"  # argparse.BooleanOptionalAction's
-        if field.default is True and negative is not None and spelling not in parser._option_string_actions:
+        if field.default is True and negative is not None:
+            spelling = f"--no-{field.name}"  # argparse.BooleanOptionalAction's
             negative.option_strings.append(spelling)
-            negative.help = f"Turns --{field.name} off."
             parser._option_string_actions[spelling] = negative
+            negative.help = f"Turns --{field.name} off."
 
 
 EPILOG = """\

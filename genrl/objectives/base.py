@@ -88,7 +88,7 @@ class Objective:
 
     Per epoch the update calls ``prepare`` once, then per inner epoch ``draw_timesteps`` after
     shuffling the kept samples, then ``loss`` once per (micro batch, trained timestep), each a
-    backward pass of the accumulation. Before any model loads, ``genrl.train_args`` calls
+    backward pass of the accumulation. Before any model loads, ``genrl.config.checks`` calls
     ``check_args`` of the chosen objective and ``check_unused_args`` of every other one, and
     ``num_trained_timesteps`` sizes the accumulation.
     """
