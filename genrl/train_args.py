@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         try:
             path = find_config(path)
             source = os.path.relpath(path, GENRL_ROOT) if path.startswith(GENRL_ROOT + os.sep) else path
-            file_values = config_file_values(build_parser(context=f"{source}: "), read_config(path), source)
+            file_values = config_file_values(build_parser(context=f"{source}: "), read_config(path))
         except (ValueError, OSError) as e:
             parser.error(str(e))
         parser.set_defaults(**file_values)  # flags on the command line still win

@@ -22,10 +22,10 @@ def given_on_command_line(parser: ConfigParser, argv: list[str]) -> dict[str, An
     return {name: value for name, value in vars(given).items() if value is not _UNSET}
 
 
-def config_file_values(parser: ConfigParser, values: dict[str, Any], source: str) -> dict[str, Any]:
+def config_file_values(parser: ConfigParser, values: dict[str, Any]) -> dict[str, Any]:
     """A config file's ``values`` as the parser reads them from flags (types, choices, counts:
     ``learning_rate: 2e-4`` as ``--learning_rate 2e-4``); a mapping is a JSON flag value
-    (``reward_options``). ``parser`` states errors for the file ``source``, in one sentence."""
+    (``reward_options``). ``parser`` names the file in its errors, each one sentence."""
     actions = {a.dest: a for a in parser._actions if a.dest not in ("help", "config")}
     words, nulls = [], {}
     for key, value in values.items():
