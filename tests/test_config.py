@@ -7,7 +7,6 @@ import json
 import pytest
 import yaml
 
-from genrl import train_args
 from genrl.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS, parse_args
 
 # A run on the shipped model spelled out, as flags and as a file.
