@@ -97,6 +97,7 @@ def test_another_objective_drops_the_files_values_only_the_first_reads(tmp_path,
     # DiffusionNFT's soft-updated sampling policy is refused as GRPO's flag, dropped as the recipe's value.
     recipe = ["--config", "recipes/sd35_medium_diffusionnft.yaml", "--objective", "grpo", "--noise_level", "0.7", *out]
     assert parse_args(recipe).sampling_policy_decay_rate == 0.0
+    assert "sets --sampling_policy_decay_rate 0.001, which only --objective nft or awm reads" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse_args(recipe + ["--sampling_policy_decay_rate", "0.001"])
     assert "soft-updates the sampling policy of --objective nft or awm" in last_error(capsys)

@@ -59,13 +59,15 @@ def drop_inapplicable(args: argparse.Namespace, file_values: dict[str, Any], giv
         return name in file_values and name not in given
 
     if "objective" in given:
-        own = set(OBJECTIVES[args.objective].own_args)
+        readers = {}  # flag -> the objectives that read it
         for name, objective in OBJECTIVES.items():
             for key in objective.own_args:
-                if key not in own and from_file(key) and getattr(args, key) != defaults[key]:
-                    notes.append(f"{source} sets --{key} {getattr(args, key)}, which only --objective {name} reads: "
-                                 f"--objective {args.objective} leaves it at {defaults[key]}.")
-                    setattr(args, key, defaults[key])
+                readers.setdefault(key, []).append(name)
+        for key, names in readers.items():
+            if args.objective not in names and from_file(key) and getattr(args, key) != defaults[key]:
+                notes.append(f"{source} sets --{key} {getattr(args, key)}, which only --objective {' or '.join(names)} "
+                             f"reads: --objective {args.objective} leaves it at {defaults[key]}.")
+                setattr(args, key, defaults[key])
     kept = args.train_samples_per_group
     if from_file("train_samples_per_group") and "group_size" in given and kept is not None and kept > args.group_size:
         notes.append(f"{source} sets --train_samples_per_group {kept}, more than --group_size {args.group_size}: "
