@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """RL fine-tuning (GRPO, DiffusionNFT, AWM) of flow-matching generators with Accelerate.
 
-    accelerate launch train_genrl.py                                      # the embedded default
+    accelerate launch train_genrl.py                                      # the toy run, recipes/toy_nft.yaml
+    accelerate launch --config_file accelerate_configs/zero3.yaml --num_processes 8 train_genrl.py \
+        --config recipes/flux1_dev_grpo.yaml
     accelerate launch --config_file accelerate_configs/zero2.yaml train_genrl.py \
         --pretrained_model_name_or_path Wan-AI/Wan2.1-T2V-1.3B-Diffusers \
         --reward_fn "hpsv3:1.0,videoalign_mq:0.5" --prompt_dataset prompts.txt --use_lora
@@ -9,8 +11,9 @@
 One epoch (``main`` below, numbered as in the README's "What one epoch does"): sample groups
 of K images/videos per prompt, score them, turn the scores into group-normalised advantages,
 then update the policy: clipped policy-gradient steps on recorded SDE transitions (grpo) or
-advantage-weighted flow matching on the clean samples noised again (nft, awm). The flags and
-the no-argument run's values are in genrl/train_args.py.
+advantage-weighted flow matching on the clean samples noised again (nft, awm). The flags are
+the dataclasses of genrl/config/, parsed by genrl/train_args.py; the no-argument run's values
+are in recipes/toy_nft.yaml.
 """
 
 import faulthandler

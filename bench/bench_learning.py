@@ -3,7 +3,7 @@ steps and wall time, for several seeds, beside two ceilings.
 
 Each (objective, seed) is one real ``train_genrl.py`` run (one process) on the no-argument
 run's settings, with ``--objective`` (and what the no-argument run changes with it: its
-sampler and learning rate, ``train_args.DEFAULT_RUN_BY_OBJECTIVE``) and ``--seed`` changed (the run seed: prompts, noise and
+sampler and learning rate, ``objective_values``) and ``--seed`` changed (the run seed: prompts, noise and
 trained timesteps; evaluation always uses the same prompts and noise). Runs go ``--jobs`` at
 a time, each with cores / jobs torch threads. The figures come from each run's
 ``logs/metrics.jsonl`` (``eval/toy_geneval_mean`` and ``time/elapsed_s``, wall time since the
@@ -67,25 +67,36 @@ def as_flags(values: dict) -> list[str]:
     return flags
 
 
-def objective_args(objective: str) -> list[str]:
-    """``--objective`` and what the no-argument run changes with it (genrl.train_args's
-    DEFAULT_RUN_BY_OBJECTIVE: the sampler each objective needs, its learning rate), as flags,
-    so that the tiny-model settings sample each objective as the toy run does; a setting's own
-    arguments come after and win."""
+def objective_values(objective: str) -> dict:
+    """What the toy run's config file for ``objective`` (``recipes/toy_<objective>.yaml``) sets
+    differently from another objective's: the sampler each objective needs, its learning rate."""
     from genrl import train_args
 
-    return ["--objective", objective, *as_flags(train_args.DEFAULT_RUN_BY_OBJECTIVE[objective])]
+    runs = {name: train_args.toy_run(name) for name in OBJECTIVES}
+    return {k: v for k, v in runs[objective].items() if any(run.get(k) != v for run in runs.values())}
+
+
+def shared_values() -> dict:
+    """What the toy run's config files of every objective set alike."""
+    from genrl import train_args
+
+    values = train_args.toy_run()
+    return {k: v for k, v in values.items() if all(k not in objective_values(name) for name in OBJECTIVES)}
+
+
+def objective_args(objective: str) -> list[str]:
+    """``--objective`` and what the toy run changes with it (``objective_values``), as flags, so
+    that the tiny-model settings sample each objective as the toy run does; a setting's own
+    arguments come after and win."""
+    return ["--objective", objective, *as_flags({k: v for k, v in objective_values(objective).items() if k != "objective"})]
 
 
 def toy_run_args(model: str) -> list[str]:
-    """The no-argument run's settings (``train_args.DEFAULT_RUN``) spelled out as flags, with
-    ``model`` as the base: naming a model leaves the embedded default, so everything else it sets
-    is passed explicitly and the run differs from the no-argument one only in its weights. The
-    objective is left out: ``objective_args`` comes first in a run and brings it, with its sampler."""
-    from genrl import train_args
-
-    values = {k: v for k, v in train_args.DEFAULT_RUN.items() if k != "objective"}
-    return as_flags({**values, "pretrained_model_name_or_path": model})
+    """The toy run's shared settings (``shared_values``) spelled out as flags, with ``model`` as
+    the base: naming a model leaves the toy run's config file, so everything else it sets is
+    passed explicitly and the run differs from the toy one only in its weights. The objective's
+    own values are left out: ``objective_args`` comes first in a run and brings them."""
+    return as_flags({**shared_values(), "pretrained_model_name_or_path": model})
 
 
 THRESHOLDS = (0.6, 0.8)
@@ -300,7 +311,7 @@ def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float |
     from genrl.rewards import build_reward_fn
     from genrl.rollout import SamplingConfig
 
-    run = dict(train_args.DEFAULT_RUN)
+    run = train_args.toy_run()
     if batches is not None:
         run["eval_max_batches"], run["eval_batch_size"] = batches
     prompts = load_prompts(run["eval_prompt_dataset"])
@@ -368,7 +379,7 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
 
     def score(step: int) -> None:
         begin = time.perf_counter()
-        draws = train_args.DEFAULT_RUN.get("eval_samples_per_prompt", 1)
+        draws = train_args.toy_run().get("eval_samples_per_prompt", 1)
         curve.append([step, statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale, draws))])
         eval_s[0] += time.perf_counter() - begin
         print(f"  supervised step {step}: held-out toy_geneval {curve[-1][1]:.4f}", flush=True)
@@ -479,8 +490,7 @@ def main(args) -> list[dict]:
         # K = the no-argument run's samples per prompt (its objective's preset: 16 for NFT with PODS).
         from genrl import train_args
 
-        preset = {**train_args.DEFAULT_RUN, **train_args.DEFAULT_RUN_BY_OBJECTIVE[train_args.DEFAULT_RUN["objective"]]}
-        group_size = 2 if args.quick else preset.get("group_size", 8)
+        group_size = 2 if args.quick else train_args.toy_run().get("group_size", 8)
         ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
                     emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
                                                 args.base_model, args.guidance_scale, args.final_noise_draws))]

@@ -143,6 +143,12 @@ def _launcher_environment() -> list[bytes] | None:
         return None
 
 
+def under_zero3() -> bool:
+    """Whether this process was launched with a ZeRO-3 config (``accelerate launch`` sets the
+    stage in the environment before the script parses its arguments)."""
+    return os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") == "3"
+
+
 def check_launched_processes() -> None:
     """``accelerate launch`` asked for several processes that started this one alone: a
     ValueError of one sentence. Without a multi-process config the launcher starts several

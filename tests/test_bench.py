@@ -301,8 +301,8 @@ def test_learning_summary_counts_seeds_to_a_threshold_and_averages_steps_only_wh
 
 
 def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_path):
-    # Naming a model leaves the embedded default run, so --base_model spells every DEFAULT_RUN
-    # value out: the parsed run must equal the no-argument one in everything but the weights.
+    # Naming a model leaves the toy run's config file, so --base_model spells every value of it
+    # out: the parsed run must equal the no-argument one in everything but the weights.
     import bench_learning
     from genrl import train_args
 

@@ -3,25 +3,27 @@
 import pytest
 
 from genrl import train_args
-from genrl.train_args import DEFAULT_RUN, DEFAULT_RUN_BY_OBJECTIVE, parse_args
+from genrl.train_args import parse_args, toy_run
 
 
-def test_no_argument_run_uses_its_objective_and_that_objectives_sampler():
+def test_no_argument_run_is_the_toy_nft_config_file():
     args = parse_args([])
-    assert args.objective == DEFAULT_RUN["objective"]
-    for key, value in DEFAULT_RUN_BY_OBJECTIVE[args.objective].items():
+    assert args.objective == "nft"
+    for key, value in toy_run().items():
         assert getattr(args, key) == value, key
     assert args.pretrained_model_name_or_path == train_args.DEFAULT_MODEL
 
 
-@pytest.mark.parametrize("objective", sorted(DEFAULT_RUN_BY_OBJECTIVE))
-def test_choosing_an_objective_on_the_toy_run_brings_the_sampler_it_needs(objective):
+@pytest.mark.parametrize("objective", ["grpo", "nft", "awm"])
+def test_choosing_an_objective_on_the_toy_run_loads_its_config_file(objective):
     args = parse_args(["--objective", objective])
-    assert args.objective == objective
-    for key, value in DEFAULT_RUN_BY_OBJECTIVE[objective].items():
+    assert args.objective == objective == toy_run(objective)["objective"]
+    for key, value in toy_run(objective).items():
         assert getattr(args, key) == value, key
     if objective == "grpo":
         assert args.noise_level > 0 and args.same_latent  # GRPO needs stochastic steps to train on
+    else:
+        assert args.train_sigma_range == [0.4, 1.0] and not args.same_latent
 
 
 def test_flags_on_the_command_line_win_over_the_default_run():
@@ -58,7 +60,7 @@ def test_the_no_argument_run_swaps_to_zero3_without_another_flag(monkeypatch, ca
     # as it is (its reward watch without the frozen full copy); asking for the copy is refused.
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     args = train_args.parse_args([])
-    assert args.watch_reference is False and args.objective == DEFAULT_RUN["objective"]
+    assert args.watch_reference is False and args.objective == "nft"
     with pytest.raises(SystemExit):
         train_args.parse_args(["--watch_reference"])
     assert "ZeRO-3" in capsys.readouterr().err

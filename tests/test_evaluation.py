@@ -234,7 +234,7 @@ def test_the_default_runs_grid_shows_every_kind_of_toy_prompt():
     from genrl import train_args
     from genrl.toy_scenes import parse_caption
 
-    run = train_args.DEFAULT_RUN
+    run = train_args.toy_run()
     with open(run["eval_prompt_dataset"]) as f:
         prompts = [line.strip() for line in f if line.strip()][: run["eval_batch_size"] * run["eval_max_batches"]]
     shown = spread_indices(len(prompts), train_args.build_parser().get_default("eval_log_samples"))

@@ -134,13 +134,7 @@ COMMANDS = readme_commands()
 
 
 def param(command: Command):
-    """A command whose --config names a recipe file not in this checkout yet is an expected
-    failure until the config files land (then the mark does nothing: strict=False)."""
-    marks = []
-    if command.recipe and not os.path.isfile(os.path.join(ROOT, command.recipe)):
-        marks.append(pytest.mark.xfail(reason=f"{command.recipe} does not exist yet (train_genrl.py --config is not in "
-                                              f"this checkout)", strict=False))
-    return pytest.param(command, marks=marks, id=repr(command))
+    return pytest.param(command, id=repr(command))
 
 
 def with_local_copies(args: list[str], root) -> list[str]:

@@ -1,11 +1,11 @@
-"""Every flag a recipe passes must exist (recipes are parsed by the trainer's own parser), the
-image recipes lay out the epoch and adapt the modules their papers do, and the DiffusionNFT
-recipe's flags train a tiny model end to end."""
+"""Every key a recipe sets is a flag (recipes are read by the trainer's own parser), each real-model
+recipe names its launch line, the image recipes lay out the epoch and adapt the modules their
+papers do, and the DiffusionNFT recipe's values train a tiny model end to end."""
 
 import glob
 import json
 import os
-import shlex
+import re
 
 import pytest
 import torch
@@ -15,21 +15,13 @@ from conftest import ROOT, run_script
 from genrl import train_args
 from genrl.rewards import load_reward_options
 
-RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.sh")))
-
-
-def expand_defaults(text: str) -> str:
-    import re
-
-    return re.sub(r"\$\{[A-Z_0-9]+:-([^}]*)\}", r"\1", text)
+RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
+MODEL_RECIPES = [p for p in RECIPES if not os.path.basename(p).startswith("toy_")]
 
 
 def recipe_words(path: str) -> list[str]:
-    """The trainer arguments of a recipe's launch line, its ${VAR:-default}s at their defaults."""
-    text = expand_defaults(open(path).read()).replace("\\\n", " ")
-    line = next(l for l in text.splitlines() if "train_genrl.py" in l)
-    words = shlex.split(line.replace('"$@"', ""))
-    return words[words.index("train_genrl.py") + 1 :]
+    """The trainer arguments that run a recipe."""
+    return ["--config", path]
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=os.path.basename)
@@ -40,18 +32,27 @@ def test_recipe_flags_parse(path):
 
 
 def test_there_are_recipes_for_wan_sd35_and_flux():
-    names = " ".join(os.path.basename(p) for p in RECIPES)
+    names = " ".join(os.path.basename(p) for p in MODEL_RECIPES)
     assert "wan21" in names and "sd35" in names and "flux" in names
+
+
+@pytest.mark.parametrize("path", MODEL_RECIPES, ids=os.path.basename)
+def test_each_model_recipe_names_its_launch_line(path):
+    """The header's command launches this file with a shipped accelerate config."""
+    text = " ".join(open(path).read().replace("\\\n#", " ").split())
+    launch = re.search(r"accelerate launch --config_file (\S+) --num_processes 8 train_genrl.py --config (\S+)", text)
+    assert launch, "no launch line in the header"
+    assert os.path.isfile(os.path.join(ROOT, launch[1])) and launch[2] == f"recipes/{os.path.basename(path)}"
 
 
 JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)$"
 
 
 @pytest.mark.parametrize("name, layout, adapted_pattern, rank", [
-    ("sd35_medium_flow_grpo.sh", "sd3.5", JOINT_ATTENTION, 32),
-    ("sd35_medium_diffusionnft.sh", "sd3.5", JOINT_ATTENTION, 32),
+    ("sd35_medium_flow_grpo.yaml", "sd3.5", JOINT_ATTENTION, 32),
+    ("sd35_medium_diffusionnft.yaml", "sd3.5", JOINT_ATTENTION, 32),
     # Flow-GRPO's train_flux.py: the attention (single blocks' included) and the double blocks' feed-forwards.
-    ("flux1_dev_grpo.sh", "flux", JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.net\.(0\.proj|2)$", 64),
+    ("flux1_dev_grpo.yaml", "flux", JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.net\.(0\.proj|2)$", 64),
 ])
 def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_pattern, rank):
     """Flow-GRPO's and DiffusionNFT's LoRA targets, which name the joint attention's projections
@@ -76,9 +77,9 @@ def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_p
 
 
 @pytest.mark.parametrize("name, groups, steps, timesteps, ema_interval", [
-    ("sd35_medium_flow_grpo.sh", 48, 2, 9, 8),  # pickscore_sd3: 48 prompts x 24, two updates an epoch
-    ("sd35_medium_diffusionnft.sh", 48, 1, 9, 1),  # one update an epoch
-    ("flux1_dev_grpo.sh", 48, 2, 5, 8),  # pickscore_flux: 6 steps
+    ("sd35_medium_flow_grpo.yaml", 48, 2, 9, 8),  # pickscore_sd3: 48 prompts x 24, two updates an epoch
+    ("sd35_medium_diffusionnft.yaml", 48, 1, 9, 1),  # one update an epoch
+    ("flux1_dev_grpo.yaml", 48, 2, 5, 8),  # pickscore_flux: 6 steps
 ])
 def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps, timesteps, ema_interval):
     """The epoch each recipe's header claims, at its default 8 processes: prompt groups, optimizer
@@ -93,8 +94,8 @@ def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps,
     assert not args.same_latent and args.reward_fn == "pickscore:1.0" and args.max_sequence_length == 128
 
 
-# The recipe's training flags on the tiny model, CPU-sized: what is overridden is only what needs a
-# GPU, a Hub model or a real prompt set (argparse keeps the last value of a repeated flag).
+# The recipe's training values on the tiny model, CPU-sized: what is overridden is only what needs a
+# GPU, a Hub model or a real prompt set (a flag wins over the config file's value).
 TINY_OVERRIDES = [
     "--prompt_dataset", "{prompts}", "--reward_fn", "jpeg_compressibility", "--reward_mode", "sync",
     "--resolution", "32", "--num_inference_steps", "4", "--eval_num_inference_steps", "4",
@@ -112,7 +113,7 @@ def test_the_diffusionnft_recipe_trains_the_tiny_sd35_end_to_end(prompt_file, tm
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline("sd3.5", tmp_path / "tiny-sd3.5")
-    words = recipe_words(os.path.join(ROOT, "recipes", "sd35_medium_diffusionnft.sh"))
+    words = recipe_words(os.path.join(ROOT, "recipes", "sd35_medium_diffusionnft.yaml"))
     out = tmp_path / "out"
     overrides = [w.format(prompts=prompt_file) for w in TINY_OVERRIDES]
     # The recipe's own config (ZeRO-2), one process.

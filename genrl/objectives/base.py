@@ -88,7 +88,7 @@ class Objective:
 
     Per epoch the update calls ``prepare`` once, then per inner epoch ``draw_timesteps`` after
     shuffling the kept samples, then ``loss`` once per (micro batch, trained timestep), each a
-    backward pass of the accumulation. Before any model loads, ``genrl.train_args`` calls
+    backward pass of the accumulation. Before any model loads, ``genrl.config.checks`` calls
     ``check_args`` of the chosen objective and ``check_unused_args`` of every other one, and
     ``num_trained_timesteps`` sizes the accumulation.
     """
@@ -98,6 +98,9 @@ class Objective:
     # passes still run on the sampling weights, which take it from their own forward
     # (``old_is_current``; ``genrl.update.micro_steps_before_the_weights_move``).
     uses_sampling_outputs: bool = False
+    # The flags only this objective reads: a config file's values of them are dropped, not
+    # refused, when a command-line flag chooses another objective (``genrl.config.sources``).
+    own_args: tuple[str, ...] = ()
 
     def check_args(self, args: argparse.Namespace) -> None:
         """The checks of the flags when this objective trains that need no model: a

@@ -182,6 +182,8 @@ class ForwardObjective(Objective):
     sampling schedule (``--timestep_fraction`` of them, among those in ``--train_sigma_range``),
     sampled by the trained weights or a soft-updated copy (``--sampling_policy_decay_rate``)."""
 
+    own_args = ("train_sigma_range", "sampling_policy_decay_rate", "sampling_policy_decay_max")
+
     def check_args(self, args: argparse.Namespace) -> None:
         check_soft_update_flags(args)
         if args.train_sigma_range is not None:

@@ -102,6 +102,8 @@ class GRPOObjective(Objective):
     """Trains on the rollout's recorded SDE transitions: needs ``--noise_level`` > 0 and samples
     from the trained weights (the ratio's old policy is the rollout's)."""
 
+    own_args = ("clip_range", "kl_form", "no_timestep_shuffle", "grpo_guard", "grpo_guard_reweight")
+
     def check_args(self, args: argparse.Namespace) -> None:
         if args.num_inference_steps < 2:
             raise ValueError(

@@ -59,6 +59,7 @@ def nft_step_loss(
 
 class NFTObjective(ForwardObjective):
     uses_sampling_outputs = True
+    own_args = (*ForwardObjective.own_args, "nft_beta")
 
     def check_args(self, args: argparse.Namespace) -> None:
         super().check_args(args)
