@@ -126,7 +126,8 @@ def test_a_signal_to_one_rank_stops_both_inside_the_update_and_zero2_resumes_bit
     recompute them); the resumed run logs and ends as the uninterrupted one."""
     marker = str(tmp_path / "sent")
     extra = ["--objective", "nft", "--noise_level", "0", "--no-same_latent", "--timestep_fraction", "0.5",
-             "--reward_mode", "sync", "--num_epochs", "2", "--resume_from_checkpoint", "latest"]
+             "--rollout_batches_per_epoch", "2", "--reward_mode", "sync", "--num_epochs", "2",
+             "--resume_from_checkpoint", "latest"]
     launch = dict(config="zero2", num_processes=2)
     open(marker, "w").close()
     uninterrupted = str(tmp_path / "uninterrupted")
@@ -140,7 +141,9 @@ def test_a_signal_to_one_rank_stops_both_inside_the_update_and_zero2_resumes_bit
     proc = subprocess.run(launch_command("train_genrl.py", args, **launch), env=script_env(), capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode != 0, proc.stderr[-3000:]
-    step = train_steps(uninterrupted)[0][1] + 1
+    reference = train_steps(uninterrupted)
+    assert reference[1][1] - reference[0][1] == 2, "epoch 1 must have an optimizer step left after its first"
+    step = reference[0][1] + 1
     assert f"train_genrl.py: Pre-empted by SIGTERM at step {step}: saved checkpoint-{step}" in proc.stderr, proc.stderr[-3000:]
     checkpoint = os.path.join(output_dir, f"checkpoint-{step}")
     # One optimizer step of 2 passes (2 trained timesteps) done.
