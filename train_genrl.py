@@ -45,9 +45,9 @@ from genrl.distributed import (
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
 )
 from genrl.ema import EMA
-from genrl.experts import expert_sigma_range
 from genrl.errors import SetupError, find_setup_error, said_once, stop_line
 from genrl.experience import ScoredRollouts, collect_rollouts, epoch_advantages
+from genrl.experts import expert_sigma_range
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
 from genrl.model_card import write_run_card
