@@ -118,3 +118,17 @@ def test_shipped_paths_in_a_config_file_are_read_from_the_repository_wherever_th
     assert args.pretrained_model_name_or_path == DEFAULT_MODEL and args.prompt_dataset == DEFAULT_TRAIN_PROMPTS
     assert args.output_dir == str(tmp_path / "out")  # the run's own paths stay relative to where it runs
     assert vars(args) == vars(parse_args(["--objective", "grpo", "--output_dir", "out"]))
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--learning_rate", "-1"], "--learning_rate must be a finite number >= 0, got -1.0."),
+    (["--learning_rate", "nan"], "--learning_rate must be a finite number >= 0, got nan."),
+    (["--adam_beta2", "1"], "--adam_beta2 must be in [0, 1), got 1.0."),
+    (["--max_grad_norm", "0"], "--max_grad_norm > 0"),
+    (["--num_epochs", "0"], "--num_epochs must be at least 1, got 0."),
+    (["--max_train_steps", "0"], "--max_train_steps must be at least 1"),
+])
+def test_optimizer_values_torch_would_refuse_after_the_models_load_are_one_line_now(tmp_path, capsys, flags, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args([*flags, "--output_dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and expected in last_error(capsys)

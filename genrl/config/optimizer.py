@@ -1,5 +1,6 @@
 """The update: micro batches, AdamW, the learning-rate schedule and when training stops."""
 
+import math
 from dataclasses import dataclass
 
 from transformers.hf_argparser import HfArg
@@ -36,6 +37,23 @@ class OptimizerArguments:
     max_train_steps: int | None = HfArg(default=None, help="Stop after this many optimizer steps.")
 
     def check(self) -> None:
+        # What torch's AdamW would refuse only after the models loaded, with its traceback.
+        if not (math.isfinite(self.learning_rate) and self.learning_rate >= 0):
+            raise ValueError(f"--learning_rate must be a finite number >= 0, got {self.learning_rate}.")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be in [0, 1), got {getattr(self, name)}.")
+        if not (self.adam_epsilon >= 0 and self.adam_weight_decay >= 0 and self.max_grad_norm > 0):
+            raise ValueError(
+                f"--adam_epsilon and --adam_weight_decay must be >= 0 and --max_grad_norm > 0, got {self.adam_epsilon}, "
+                f"{self.adam_weight_decay} and {self.max_grad_norm}."
+            )
+        for name in ("gradient_accumulation_steps", "num_inner_epochs", "num_epochs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be at least 1, got {getattr(self, name)}.")
+        if (self.max_train_steps is not None and self.max_train_steps < 1) or self.lr_warmup_steps < 0:
+            raise ValueError(f"--max_train_steps must be at least 1 and --lr_warmup_steps >= 0, got {self.max_train_steps} "
+                             f"and {self.lr_warmup_steps}.")
         if (self.lr_scheduler == "piecewise_constant") != (self.lr_step_rules is not None):
             raise ValueError("--lr_step_rules goes with --lr_scheduler piecewise_constant, and that scheduler needs the "
                              "rules: give both or neither.")
