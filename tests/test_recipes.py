@@ -124,3 +124,19 @@ def test_the_diffusionnft_recipe_trains_the_tiny_sd35_end_to_end(prompt_file, tm
     lora = load_file(str(out / "pytorch_lora_weights.safetensors"))
     assert any("add_q_proj" in k for k in lora) and any("to_add_out" in k for k in lora), sorted(lora)[:8]
     assert not any("attn2" in k for k in lora), sorted(lora)[:8]
+
+
+def test_the_wan22_a14b_recipe_lays_out_flow_factorys_epoch_on_8_gpus():
+    """48 prompts x 16 clips, two optimizer steps an epoch, one stochastic step drawn in [1, 2]
+    (within the high-noise expert's first steps at any shift the checkpoint ships: step 2 of 10 is
+    at sigma >= 0.875 from shift 3 up), the high-noise expert under ZeRO-3."""
+    path = os.path.join(ROOT, "recipes", "wan22_t2v_a14b_grpo.yaml")
+    args = train_args.parse_args(recipe_words(path))
+    per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
+    assert (args.group_size, 8 * per_gpu // args.group_size) == (16, 48)
+    assert per_gpu // (args.train_batch_size * args.gradient_accumulation_steps) == 2
+    assert train_args.num_trained_timesteps(args) == 1 and args.wan_expert == "high"
+    assert (args.sde_window_size, list(args.sde_window_range)) == (1, [1, 3])
+    shift, sigma = 3.0, 1 - 2 / args.num_inference_steps  # step 2's unshifted noise level
+    assert shift * sigma / (1 + (shift - 1) * sigma) >= 0.875
+    assert "zero3.yaml" in open(path).read()

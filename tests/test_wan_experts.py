@@ -1,7 +1,9 @@
 """Wan 2.2 A14B (two experts): one of them trained, only on its own steps, the other frozen;
 the export holds the trained one in its own subfolder and loads back into a pipeline."""
 
+import json
 import os
+import re
 
 import pytest
 import torch
@@ -35,10 +37,21 @@ def moved(a, b):
     return any(not torch.equal(a[k], b[k]) for k in a)
 
 
-def test_nft_trains_the_low_noise_expert_alone_and_its_export_loads_as_transformer_2(a14b, prompt_file, tmp_path):
+def test_nft_trains_the_low_noise_expert_alone_under_zero3_and_eval_reproduces_its_evaluation(a14b, prompt_file, tmp_path):
+    # zero3.yaml builds the trained expert partitioned (each rank holds about half of it); the
+    # frozen one is loaded whole in the weight dtype on every rank.
     out = str(tmp_path / "low")
-    run_script("train_genrl.py", args(a14b, prompt_file, out, "--wan_expert", "low", "--objective", "nft",
-                                      "--noise_level", "0", "--timestep_fraction", "0.5", "--guidance_scale", "1"))
+    proc = run_script("train_genrl.py", args(a14b, prompt_file, out, "--wan_expert", "low", "--objective", "nft",
+                                             "--noise_level", "0", "--timestep_fraction", "0.5", "--guidance_scale", "1",
+                                             "--eval_steps", "1", "--eval_prompt_dataset", prompt_file, "--eval_max_batches", "1",
+                                             "--eval_batch_size", "2"),
+                      config="zero3", num_processes=2)
+    held = re.findall(r"\[RANK (\d)\] Transformer built under zero.Init: this rank holds ([\d,]+) of its ([\d,]+)",
+                      proc.stdout + proc.stderr)
+    assert sorted(rank for rank, _, _ in held) == ["0", "1"], proc.stderr[-3000:]
+    for _, part, total in held:
+        assert int(part.replace(",", "")) <= 0.55 * int(total.replace(",", ""))
+        assert int(total.replace(",", "")) == sum(t.numel() for t in weights(os.path.join(a14b, "transformer_2")).values())
     assert sorted(n for n in os.listdir(out) if n.startswith("transformer")) == ["transformer_2"]
     trained = weights(os.path.join(out, "transformer_2"))
     assert moved(trained, weights(os.path.join(a14b, "transformer_2")))
@@ -47,6 +60,14 @@ def test_nft_trains_the_low_noise_expert_alone_and_its_export_loads_as_transform
     assert all(torch.equal(policy.pipeline.transformer_2.state_dict()[k], trained[k]) for k in trained)
     base = weights(os.path.join(a14b, "transformer"))
     assert not moved(policy.pipeline.transformer.state_dict(), base), "the frozen expert moved"
+    # eval_genrl.py on the export, with the settings it reads from it, scores what the run's
+    # last evaluation scored.
+    evaluations = [json.loads(l) for l in open(os.path.join(out, "logs", "metrics.jsonl")) if '"eval/' in l]
+    run_script("eval_genrl.py", ["--model", out, "--output_dir", str(tmp_path / "eval")])
+    scores = json.load(open(tmp_path / "eval" / "metrics.json"))
+    assert evaluations and "eval/jpeg_compressibility_mean" in evaluations[-1], evaluations
+    assert scores["metrics"]["jpeg_compressibility"]["mean"] == pytest.approx(
+        evaluations[-1]["eval/jpeg_compressibility_mean"], abs=1e-6), (scores["metrics"], evaluations[-1])
 
 
 def test_grpo_with_lora_trains_the_high_noise_expert_within_its_steps(a14b, prompt_file, tmp_path):
