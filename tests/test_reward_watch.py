@@ -82,7 +82,7 @@ def test_held_out_rewards_are_the_weight_0_ones_not_trained_on():
 @pytest.mark.parametrize("extra, expected", [
     (["--eval_diversity_samples", "1"],
      "--eval_diversity_prompts must be >= 0 and --eval_diversity_samples >= 2 (diversity compares samples), got 8 and 1."),
-    (["--watch_patience", "0"], "--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got 0 and 0.5."),
+    (["--watch_patience", "0"], "--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got 0 and 0.75."),
     (["--eval_samples_per_prompt", "0"], "--eval_samples_per_prompt must be at least 1, got 0."),
     (["--watch_diversity_fraction", "1.5"],
      "--watch_patience must be >= 1 and --watch_diversity_fraction in [0, 1), got 3 and 1.5."),

@@ -52,7 +52,9 @@ class RewardWatchArguments:
         help="Warn when a trained reward rose while a held-out one fell at each of this many evaluations in a row.",
     )
     watch_diversity_fraction: float = HfArg(
-        default=0.5, help="Warn when the diversity falls below this fraction of its first value."
+        default=0.75,
+        help="Warn when the diversity falls below this fraction of its first value (a quarter of the base's variety "
+        "gone is worth a look at the samples, even where the reward rose honestly).",
     )
     watch_reference: bool = HfArg(
         default=False,
