@@ -37,7 +37,6 @@ import os
 import re
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -48,6 +47,7 @@ import torch
 
 from genrl.rewards import lifecycle
 from genrl.rewards.layouts import prepare_images
+from genrl.rewards.service import public_url
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +61,6 @@ DEFAULT_TEMPLATE = (
 OPTIONS = frozenset({"base_url", "model", "template", "frames", "min_score", "max_score", "max_tokens",
                      "max_concurrency", "timeout", "retries", "api_key_env"})
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-
-
-def public_url(url: str) -> str:
-    """``url`` without user name, password, query or fragment (which may carry a key)."""
-    parts = urllib.parse.urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
 
 
 def endpoint_problem(base_url: str, timeout: float = 10.0) -> str | None:
