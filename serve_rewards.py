@@ -9,8 +9,9 @@ every run that points at it, on GPUs of its own, in a Python environment of its 
         --reward_options '{"hpsv3": {"service": "http://localhost:8000"}}' ...
 
 Any reward the registry knows is served (``hpsv3``, ``videoalign_*``, ``pickscore``,
-``toy_geneval*``, ``jpeg_compressibility``, a ``module:function`` importable here) with its own
-``--reward_options``. Without ``--ray_address`` a Ray instance of this machine is started and
+``toy_geneval*``, ``jpeg_compressibility``, ``vlm_judge``, a ``module:function`` importable here)
+with its own ``--reward_options``; its clients read from ``GET /health`` what the trainer reads of
+an in-process reward (whether it may abstain, its models' records). Without ``--ray_address`` a Ray instance of this machine is started and
 stopped with the service; with one, the replicas go on that Ray cluster (its nodes must import
 genrl and the rewards' libraries). The service stops on Ctrl-C or SIGTERM. See
 docs/reward_service.md.

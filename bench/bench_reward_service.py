@@ -13,6 +13,15 @@ holds only the client (``rss_inproc_mb``, ``rss_client_mb``): the saving per ext
     python bench/bench_reward_service.py --rewards pickscore --reward_options '{"pickscore": {"checkpoint": "..."}}' \
         --num_gpus_per_replica 1 --batch_sizes 8,32,128
 
+``--epoch`` instead runs the no-argument training run (recipes/toy_nft.yaml: ``toy_geneval``)
+twice per ``--rounds``, scoring in-process and through a service serving ``toy_geneval`` (one
+CPU replica), and prints each run's epoch seconds after the first (``time/epoch_s``, and the
+wait for rewards after the last rollout, ``time/reward_s``), their medians and the served run's
+ratio to the in-process one (the goal: at most 1.05)::
+
+    python bench/bench_reward_service.py --epoch              # 5 epochs a run, a few minutes each on 2 cores
+    python bench/bench_reward_service.py --epoch --quick      # 3 small epochs a run: that it works
+
 Figures are printed, never asserted: on a shared CPU the overhead is mostly the HTTP round
 trip and the replica's hop through Ray's proxy (a few milliseconds), large against the toy
 rewards' own milliseconds and small against a model's.
@@ -24,8 +33,10 @@ import argparse
 import json
 import os
 import signal
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +49,10 @@ from common import emit, time_interleaved
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_REWARDS = "toy_geneval,jpeg_compressibility"
+# --epoch --quick: the no-argument run's code path on 8 samples an epoch and one small evaluation.
+QUICK_EPOCH = ["--group_size", "4", "--rollout_batch_size", "8", "--rollout_batches_per_epoch", "1",
+               "--train_batch_size", "8", "--gradient_accumulation_steps", "1", "--eval_max_batches", "1",
+               "--eval_samples_per_prompt", "1", "--eval_diversity_prompts", "2"]
 
 # The RSS of a process that built ``spec`` (with ``options``) and scored one batch, in MiB.
 RSS_SNIPPET = """
@@ -60,17 +75,25 @@ def parse_args(argv=None):
     parser.add_argument("--clients", type=int, default=4, help="Threads sending batches at once, as the ranks of a run.")
     parser.add_argument("--num_gpus_per_replica", type=float, default=0.0, help="The service's GPUs per replica.")
     parser.add_argument("--port", type=int, default=None, help="The service's port (default: a free one).")
+    parser.add_argument("--epoch", action="store_true",
+                        help="Epoch seconds of the no-argument training run, toy_geneval served vs in-process.")
+    parser.add_argument("--epochs", type=int, default=None, help="--epoch: epochs a run (default 5; 3 with --quick).")
+    parser.add_argument("--rounds", type=int, default=1, help="--epoch: in-process and served runs, alternating, this many each.")
     args = parser.parse_args(argv)
+    args.epochs = args.epochs or (3 if args.quick else 5)
+    if args.epochs < 2:
+        parser.error("--epochs must be at least 2: the first epoch is not reported.")
     args.batch_sizes = [int(b) for b in (args.batch_sizes or ("4,16" if args.quick else "4,16,64")).split(",")]
     args.image_size = args.image_size or (32 if args.quick else 256)
     args.repeats = args.repeats or (3 if args.quick else 10)
     return args
 
 
-def start_service(args, port: int) -> tuple[subprocess.Popen, str, float]:
-    """``serve_rewards.py`` on localhost: its process, URL and start-up seconds."""
-    command = [sys.executable, os.path.join(ROOT, "serve_rewards.py"), "--reward_fn", args.rewards, "--port", str(port),
-               "--num_gpus_per_replica", str(args.num_gpus_per_replica)]
+def start_service(args, port: int, rewards: str | None = None) -> tuple[subprocess.Popen, str, float]:
+    """``serve_rewards.py`` serving ``rewards`` (default ``args.rewards``) on localhost: its
+    process, URL and start-up seconds."""
+    command = [sys.executable, os.path.join(ROOT, "serve_rewards.py"), "--reward_fn", rewards or args.rewards,
+               "--port", str(port), "--num_gpus_per_replica", str(args.num_gpus_per_replica)]
     if args.reward_options:
         command += ["--reward_options", args.reward_options]
     start = time.perf_counter()
@@ -102,7 +125,49 @@ def resident_mb(spec: str, options: dict, n: int, size: int) -> float:
     return float(out.strip().splitlines()[-1])
 
 
+def epoch_seconds(args, served_url: str | None) -> list[dict]:
+    """The no-argument run for ``args.epochs`` epochs (toy_geneval through ``served_url`` if
+    given): ``time/epoch_s`` and ``time/reward_s`` of each epoch after the first."""
+    extra = ["--reward_options", json.dumps({"toy_geneval": {"service": served_url}})] if served_url else []
+    with tempfile.TemporaryDirectory(prefix="bench-reward-service-") as out_dir:
+        command = [sys.executable, os.path.join(ROOT, "train_genrl.py"), "--num_epochs", str(args.epochs),
+                   "--output_dir", out_dir, "--report_to", "none", *(QUICK_EPOCH if args.quick else []), *extra]
+        env = dict(os.environ, PYTHONPATH=ROOT, HF_HUB_OFFLINE="1")
+        proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit(f"train_genrl.py exited {proc.returncode}: {proc.stderr.strip().splitlines()[-1:]}")
+        with open(os.path.join(out_dir, "logs", "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+    return [{"epoch_s": r["time/epoch_s"], "reward_s": r["time/reward_s"]} for r in records if "time/epoch_s" in r][1:]
+
+
+def compare_epochs(args) -> list[dict]:
+    """``--epoch``: in-process and served runs, alternating ``args.rounds`` times; their epochs,
+    medians and the served / in-process ratio of the median epoch."""
+    common.print_machine(common.resolve_device(args.device), note=args.note)  # where the trainer runs
+    proc, url, startup_s = start_service(args, args.port or common.free_port(), rewards="toy_geneval")
+    epochs = {"inproc": [], "served": []}
+    try:
+        emit({"bench": "reward_service", "figure": "startup", "startup_s": startup_s})
+        for round_ in range(args.rounds):
+            for mode in ("inproc", "served"):
+                for i, row in enumerate(epoch_seconds(args, url if mode == "served" else None), start=2):
+                    epochs[mode].append(emit({"bench": "reward_service", "figure": "epoch", "mode": mode,
+                                              "round": round_, "epoch": i, **row}))
+    finally:
+        stop_service(proc)
+    rows = [{"mode": mode, "epochs": len(rows), **{k: statistics.median(r[k] for r in rows) for k in ("epoch_s", "reward_s")}}
+            for mode, rows in epochs.items()]
+    emit({"bench": "reward_service", "figure": "epoch_median", "setting": "quick" if args.quick else "no-argument run",
+          "inproc_epoch_s": rows[0]["epoch_s"], "served_epoch_s": rows[1]["epoch_s"],
+          "served_over_inproc": rows[1]["epoch_s"] / rows[0]["epoch_s"], "goal": 1.05})
+    common.print_table(rows, ["mode", "epochs", "epoch_s", "reward_s"], title="No-argument run, toy_geneval (median seconds per epoch)")
+    return rows
+
+
 def main(args) -> list[dict]:
+    if args.epoch:
+        return compare_epochs(args)
     from genrl.rewards import build_reward_fn
     from genrl.rewards.service import encode_request
 

@@ -1,8 +1,10 @@
 """Two "nodes" on localhost, each a copy of the checkout with its own relative --output_dir (nodes
 without a shared disk), under the shipped multi-node ZeRO-2 config: every node completes its own
 checkpoints, every rank resumes the newest checkpoint they all have, and a resumed run ends with
-the weights of an uninterrupted one."""
+the weights of an uninterrupted one. Both nodes score through one reward service (started here,
+where Ray Serve is installed; in-process scoring otherwise), each rank sending its own batches."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -54,9 +56,37 @@ def launch_nodes(nodes: list[str], args: list[str], timeout: int = 300) -> list[
     return results
 
 
-def train_args(model: str, prompts: str, *extra: str) -> list[str]:
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    """A reward service serving jpeg_compressibility to both nodes, or None where Ray Serve is not installed."""
+    try:
+        import ray.serve  # noqa: F401
+    except ImportError:
+        yield None
+        return
+    from _local_server import RewardService
+
+    with open(tmp_path_factory.mktemp("service") / "service.log", "w+") as log:
+        url = RewardService("jpeg_compressibility", {}, log, env=script_env()).start()
+        try:
+            yield url
+        finally:
+            url.stop()
+
+
+def scored_by_both_nodes(service, run, epochs: int):
+    """Run ``run()``; through a service, assert that each rank (one a node) sent it its batch of every epoch."""
+    before = service.requests() if service else 0
+    result = run()
+    if service:
+        assert service.requests() - before == 2 * epochs, "not every node's rank scored its batches through the service"
+    return result
+
+
+def train_args(model: str, prompts: str, service, *extra: str) -> list[str]:
+    served = ["--reward_options", json.dumps({"jpeg_compressibility": {"service": service}})] if service else []
     return [
-        "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", "jpeg_compressibility",
+        "--pretrained_model_name_or_path", model, "--prompt_dataset", prompts, "--reward_fn", "jpeg_compressibility", *served,
         "--output_dir", OUTPUT, "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
         "--train_batch_size", "2", "--num_inference_steps", "4", "--num_epochs", "2", "--checkpointing_steps", "1",
         "--report_to", "none", "--seed", "11", "--learning_rate", "1e-2", "--adam_epsilon", "1e-4",
@@ -79,10 +109,10 @@ def checkpoints(node: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tiny_sd3, prompt_file, tmp_path_factory):
+def uninterrupted(service, tiny_sd3, prompt_file, tmp_path_factory):
     base = tmp_path_factory.mktemp("uninterrupted")
     nodes = [node_copy(base / f"node{i}") for i in range(2)]
-    succeeded(launch_nodes(nodes, train_args(tiny_sd3, prompt_file)))
+    scored_by_both_nodes(service, lambda: succeeded(launch_nodes(nodes, train_args(tiny_sd3, prompt_file, service))), epochs=2)
     return nodes
 
 
@@ -98,7 +128,7 @@ def test_every_node_completes_its_own_checkpoints(uninterrupted):
     assert not os.path.exists(os.path.join(uninterrupted[1], OUTPUT, "transformer"))
 
 
-def test_ranks_resume_the_newest_checkpoint_they_all_have_and_end_bit_identical(uninterrupted, tiny_sd3, prompt_file,
+def test_ranks_resume_the_newest_checkpoint_they_all_have_and_end_bit_identical(uninterrupted, service, tiny_sd3, prompt_file,
                                                                                 tmp_path):
     nodes = [str(tmp_path / f"node{i}") for i in range(2)]
     for source, node in zip(uninterrupted, nodes):
@@ -107,7 +137,8 @@ def test_ranks_resume_the_newest_checkpoint_they_all_have_and_end_bit_identical(
     shutil.rmtree(os.path.join(nodes[1], OUTPUT, "checkpoint-4"))
     for folder in ("transformer", "transformer_ema"):
         shutil.rmtree(os.path.join(nodes[0], OUTPUT, folder))
-    results = succeeded(launch_nodes(nodes, train_args(tiny_sd3, prompt_file)))
+    results = scored_by_both_nodes(service, lambda: succeeded(launch_nodes(nodes, train_args(tiny_sd3, prompt_file, service))),
+                                   epochs=1)
     log = results[0].stdout + results[0].stderr
     assert "Resuming checkpoint-2, the newest one every rank has complete (not every rank has checkpoint-4)" in log, log[-3000:]
     for folder in ("transformer", "transformer_ema"):

@@ -1,13 +1,14 @@
 """The reward service (serve_rewards.py on Ray Serve) and the trainer as its client: one service
 for the module, started here on localhost and stopped by its process id. Served scores equal
-in-process ones, a run scored through it trains the same weights, two trainer processes share
-it, and each fault is bounded: a service that does not answer at start, a wrong count, NaN,
-another reward's scores, a service that dies mid-run."""
+in-process ones, an abstaining reward abstains through it as in-process, a run scored through it
+trains the same weights, two trainer processes share it, and each fault is bounded: a service
+that does not answer at start, a wrong count, NaN, another reward's scores, a service that
+restarts mid-run (the run waits for it) and one that dies (the run stops)."""
 
 import json
 import os
+import re
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,44 +18,42 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _local_server import start_server, stop_server
+from _local_server import RewardService
 from conftest import (
-    ROOT, free_port, kill_launch, launch_command, run_script, script_env, script_errors, trainer_exit_in_process,
+    ROOT, free_port, kill_launch, launch_command, run_python, run_script, script_env, script_errors,
+    trainer_exit_in_process,
 )
 from test_pickscore import folders  # noqa: F401  (the tiny PickScore folders, a module fixture)
 from test_train_script import base_args
 
 from genrl.rewards import build_reward_fn, check_reward_options
 from genrl.rewards.registry import RewardError
+from genrl.rewards.service import ServedReward, check_service_options, pause_before_try
 from genrl.toy_scenes import parse_caption, render_scene
 
 pytest.importorskip("ray.serve")
 
-SERVED = "toy_geneval,jpeg_compressibility,pickscore,tests._served_rewards:wrong_count,tests._served_rewards:nan_scores"
+HELD = "tests._served_rewards:held_jpeg"
+ABSTAINS = "tests._served_rewards:abstains"
+SERVED = (f"toy_geneval,jpeg_compressibility,pickscore,tests._served_rewards:wrong_count,tests._served_rewards:nan_scores,"
+          f"{ABSTAINS},{HELD}")
 TOY_PROMPTS = ["a red circle", "two blue squares", "a green triangle above a red circle"]
-
-
-class Service(str):
-    """The service's URL, and its process (``.proc``)."""
-
-    proc: subprocess.Popen
 
 
 @pytest.fixture(scope="module")
 def service(folders, tmp_path_factory):  # noqa: F811
-    """A reward service serving SERVED (PickScore on the tiny CLIP) on a CPU replica: its URL."""
-    port = free_port()
-    options = json.dumps({"pickscore": {"checkpoint": folders[0], "processor": folders[1]}})
-    log = open(tmp_path_factory.mktemp("service") / "service.log", "w+")
-    command = [sys.executable, os.path.join(ROOT, "serve_rewards.py"), "--reward_fn", SERVED, "--reward_options", options,
-               "--port", str(port), "--num_cpus_per_replica", "1", "--num_cpus", "2", "--batch_wait_s", "0.05"]
-    url = Service(f"http://127.0.0.1:{port}")
-    url.proc = start_server(command, f"{url}/health", log, cwd=ROOT, env=script_env())
-    try:
-        yield url
-    finally:
-        stop_server(url.proc)
-        log.close()
+    """A reward service serving SERVED (PickScore on the tiny CLIP) on a CPU replica: its URL;
+    ``.hold``: the file that holds HELD's answers while it exists."""
+    folder = tmp_path_factory.mktemp("service")
+    hold = str(folder / "hold")
+    options = {"pickscore": {"checkpoint": folders[0], "processor": folders[1]}, HELD: {"hold": hold}}
+    with open(folder / "service.log", "w+") as log:
+        url = RewardService(SERVED, options, log, env=script_env()).start()
+        url.hold = hold
+        try:
+            yield url
+        finally:
+            url.stop()
 
 
 def served(url: str, names: str, **client) -> dict:
@@ -108,11 +107,25 @@ def test_a_wrong_count_or_nan_from_the_service_is_refused_as_in_process(service)
 
 
 @pytest.mark.slow  # starts the service
+def test_an_abstaining_reward_abstains_through_the_service_as_in_process(service):
+    """The service reports that the reward may abstain: its NaN reaches training as the
+    in-process reward's does (a NaN of any other reward is refused, test above)."""
+    samples, prompts = toy_samples(4), TOY_PROMPTS + TOY_PROMPTS[:1]
+    local = build_reward_fn(ABSTAINS)(samples, prompts)[ABSTAINS]  # training's strictness: NaN only by abstaining
+    remote = build_reward_fn(ABSTAINS, options=served(service, ABSTAINS))(samples, prompts)[ABSTAINS]
+    assert local[1::2].isnan().all() and not local[::2].isnan().any() and local[::2].min() > 0, local
+    assert remote[1::2].isnan().all() and (remote[::2] - local[::2]).abs().max() <= 1e-6, (remote, local)
+
+
+@pytest.mark.slow  # starts the service
 def test_another_rewards_service_is_refused_at_start_and_mid_run(service):
     with pytest.raises(ValueError, match=r"serves \[.*\], not 'temporal_smoothness'"):
         check_reward_options(served(service, "temporal_smoothness"), ["temporal_smoothness"])
     with pytest.raises(RewardError, match=r"serves \[.*\], not 'temporal_smoothness'"):
-        build_reward_fn("temporal_smoothness", options=served(service, "temporal_smoothness"))(toy_samples(2), TOY_PROMPTS[:2])
+        build_reward_fn("temporal_smoothness", options=served(service, "temporal_smoothness"))
+    # Mid-run (the service at that address was replaced by another): its answer is refused.
+    with pytest.raises(RewardError, match=r"serves \[.*\], not 'temporal_smoothness'"):
+        ServedReward("temporal_smoothness", service)(toy_samples(2), TOY_PROMPTS[:2])
 
 
 def test_a_service_that_does_not_answer_is_one_sentence_before_any_model_loads(tiny_sd3, prompt_file, tmp_path, monkeypatch,
@@ -126,6 +139,18 @@ def test_a_service_that_does_not_answer_is_one_sentence_before_any_model_loads(t
     assert "serve_rewards.py" in message and len(message.splitlines()) == 1
 
 
+def test_a_wait_for_a_service_is_bounded_and_its_pauses_double_then_poll():
+    assert [pause_before_try(k, retries=3) for k in (1, 2, 3, 4, 5)] == [1, 2, 4, 5, 5]
+    assert pause_before_try(7, retries=10) == 30  # doubling stops at 30 s
+    with pytest.raises(ValueError, match="'wait_s' must be a number of seconds >= 0, got -1"):
+        check_service_options("hpsv3", {"service": "http://127.0.0.1:1", "wait_s": -1})
+    client = ServedReward("hpsv3", f"http://127.0.0.1:{free_port()}", retries=0, wait_s=1.5)  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"did not answer [2-9] tries in \d s \(ConnectionRefusedError.*checkpoint intact\.$"):
+        client(toy_samples(1), TOY_PROMPTS[:1])
+    assert 1.5 <= time.monotonic() - started < 5
+
+
 def train_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[str]:
     """test_train_script's short run (jpeg_compressibility), one epoch."""
     return base_args(model, prompts, output_dir, "--num_epochs", "1", *extra)
@@ -135,25 +160,66 @@ def trained_weights(output_dir) -> dict:
     return load_file(os.path.join(output_dir, "transformer", "diffusion_pytorch_model.safetensors"))
 
 
+@pytest.fixture(scope="module")
+def in_process_weights(tiny_sd3, prompt_file, tmp_path_factory) -> dict:
+    """The weights of train_args' run scored in-process."""
+    output_dir = str(tmp_path_factory.mktemp("in-process"))
+    run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, output_dir))
+    weights = trained_weights(output_dir)
+    base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
+    assert any(not torch.equal(weights[k], v) for k, v in base.items()), "nothing trained"
+    return weights
+
+
 @pytest.mark.slow  # starts the service
-def test_a_run_through_the_service_trains_the_same_weights(service, tiny_sd3, prompt_file, tmp_path):
-    local, remote = str(tmp_path / "local"), str(tmp_path / "served")
-    run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, local))
+def test_a_run_through_the_service_trains_the_same_weights(service, in_process_weights, tiny_sd3, prompt_file, tmp_path):
+    remote = str(tmp_path / "served")
     run_script("train_genrl.py", train_args(tiny_sd3, prompt_file, remote, "--reward_options",
                                             json.dumps(served(service, "jpeg_compressibility"))))
-    expected, got = trained_weights(local), trained_weights(remote)
-    assert all(torch.equal(expected[k], got[k]) for k in expected), "served scores trained other weights"
-    base = load_file(os.path.join(tiny_sd3, "transformer", "diffusion_pytorch_model.safetensors"))
-    assert any(not torch.equal(expected[k], v) for k, v in base.items()), "nothing trained"
+    got = trained_weights(remote)
+    assert all(torch.equal(in_process_weights[k], got[k]) for k in in_process_weights), "served scores trained other weights"
+
+
+@pytest.mark.slow  # starts the service, restarts it
+def test_a_run_waits_for_a_service_that_restarts_mid_run_and_trains_the_same_weights(
+        service, in_process_weights, tiny_sd3, prompt_file, tmp_path):
+    """HELD (jpeg_compressibility's scores) keeps the run's first request on the service until the
+    service is stopped under it; the run waits (wait_s) while it starts again on the same port,
+    then finishes as if nothing had happened."""
+    open(service.hold, "w").close()
+    output_dir = str(tmp_path / "run")
+    options = {HELD: {"service": service, "timeout": 60, "retries": 0, "wait_s": 300}}
+    args = train_args(tiny_sd3, prompt_file, output_dir, "--reward_fn", HELD, "--reward_options", json.dumps(options))
+    result = {}
+    run = threading.Thread(target=lambda: result.update(proc=run_python("train_genrl.py", args, timeout=540)))
+    run.start()
+    try:
+        deadline = time.monotonic() + 240
+        while not os.path.exists(service.hold + ".reached") and run.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert os.path.exists(service.hold + ".reached"), "the run's first request never reached the service"
+        service.stop()  # the run's request is still on it
+    finally:
+        os.remove(service.hold)
+        if service.proc.poll() is not None:
+            service.start()  # on the same port, for the run and the tests after this one
+    run.join(timeout=600)
+    proc = result["proc"]
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "does not answer" in proc.stderr and "waiting up to" in proc.stderr and "answers again after" in proc.stderr, \
+        proc.stderr[-3000:]
+    got = trained_weights(output_dir)
+    assert all(torch.equal(in_process_weights[k], got[k]) for k in in_process_weights), "the restart changed the weights"
 
 
 @pytest.mark.slow  # starts the service
 def test_two_processes_share_the_service_and_its_death_stops_them_in_one_sentence_with_the_checkpoint_intact(
         service, tiny_sd3, prompt_file, tmp_path):
     """A 2-process run, each rank sending its own batches, scores an epoch through the service; then
-    the service dies (last in this module: it is the module's service) and the run stops."""
+    the service dies (last in this module: it is the module's service) and does not come back
+    within the run's wait: the run stops."""
     out = tmp_path / "run"
-    options = json.dumps(served(service, "jpeg_compressibility", timeout=5, retries=1))
+    options = json.dumps(served(service, "jpeg_compressibility", timeout=5, retries=1, wait_s=3))
     args = train_args(tiny_sd3, prompt_file, str(out), "--reward_options", options, "--num_epochs", "500",
                       "--checkpointing_steps", "2")
     log = tmp_path / "stderr.log"
@@ -170,7 +236,7 @@ def test_two_processes_share_the_service_and_its_death_stops_them_in_one_sentenc
         root = psutil.Process(service.proc.pid)
         for p in root.children(recursive=True) + [root]:  # the service's whole process tree, at once: a crash
             p.kill()
-        returncode = run.wait(timeout=120)  # 2 tries of at most 5 s each, 1 s apart, per rank
+        returncode = run.wait(timeout=120)  # tries of at most 5 s each for 3 s past the first failure, per rank
     finally:
         if run.poll() is None:
             kill_launch(run)
@@ -178,7 +244,8 @@ def test_two_processes_share_the_service_and_its_death_stops_them_in_one_sentenc
     assert returncode == 1, stderr[-3000:]
     errors = script_errors(stderr)
     assert errors and all(e.startswith("train_genrl.py: error: The reward service for 'jpeg_compressibility' at ")
-                          and "did not answer 2 tries" in e for e in errors), stderr[-3000:]
+                          and re.search(r"did not answer [2-9] tries in \d+ s \(.*its last checkpoint intact", e)
+                          for e in errors), stderr[-3000:]
     checkpoints = sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-"))
     assert checkpoints and not any(name.endswith(".tmp") for name in checkpoints), checkpoints
     assert os.listdir(out / checkpoints[-1]), "the last checkpoint is empty"

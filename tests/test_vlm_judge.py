@@ -1,7 +1,7 @@
 """The VLM-judge reward against a real OpenAI-compatible server: ``transformers serve`` started on
 localhost with a tiny random LLaVA (tests/_tiny_vlm.py), whose answers are nonsense, so the
-unparsable-answer path is the one a training run exercises; the parser itself is pinned on
-written answers."""
+unparsable-answer path is the one a training run exercises (through the reward service); the
+parser itself is pinned on written answers."""
 
 import json
 import logging
@@ -133,18 +133,30 @@ def test_the_judge_scores_what_its_answer_says_and_the_run_records_its_endpoint_
 
 
 @pytest.mark.slow
-def test_a_training_run_judged_by_a_vlm_counts_its_abstentions_and_records_the_judge(judge, tiny_sd3, prompt_file, tmp_path):
+def test_a_training_run_judged_by_a_served_vlm_counts_its_abstentions_and_records_the_judge(judge, tiny_sd3, prompt_file,
+                                                                                              tmp_path):
+    """The judge behind the reward service (serve_rewards.py), as a judge shared by runs is: the
+    service reports that it may abstain and what it is, so the run treats it as an in-process
+    judge (whose scores and record the test above checks)."""
+    pytest.importorskip("ray.serve")
+    from _local_server import RewardService
+
     # Scores in [0, 1]: almost every nonsense answer abstains (a digit above 1, or none).
-    options = {"vlm_judge": {**judge, "max_score": 1}}
-    output_dir = str(tmp_path / "run")
-    run_script("train_genrl.py", [
-        "--pretrained_model_name_or_path", tiny_sd3, "--prompt_dataset", prompt_file, "--reward_fn", "vlm_judge",
-        "--reward_options", json.dumps(options), "--output_dir", output_dir, "--group_size", "4",
-        "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1", "--train_batch_size", "4",
-        "--num_inference_steps", "3", "--max_train_steps", "1", "--report_to", "none",
-    ])
+    with open(tmp_path / "service.log", "w+") as log:
+        service = RewardService("vlm_judge", {"vlm_judge": {**judge, "max_score": 1}}, log, env=script_env()).start()
+        try:
+            output_dir = str(tmp_path / "run")
+            run_script("train_genrl.py", [
+                "--pretrained_model_name_or_path", tiny_sd3, "--prompt_dataset", prompt_file, "--reward_fn", "vlm_judge",
+                "--reward_options", json.dumps({"vlm_judge": {"service": service}}), "--output_dir", output_dir,
+                "--group_size", "4", "--rollout_batch_size", "4", "--rollout_batches_per_epoch", "1",
+                "--train_batch_size", "4", "--num_inference_steps", "3", "--max_train_steps", "1", "--report_to", "none",
+            ])
+        finally:
+            service.stop()
     line = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))][-1]
     assert line["reward/vlm_judge_abstained"] > 0
     assert np.isfinite(line["train/grad_norm"])
     recorded = json.load(open(os.path.join(output_dir, "genrl_config.json")))["reward_models"]["vlm_judge"]
     assert recorded["model"] == judge["model"] and "{prompt}" in recorded["template"]
+    assert recorded["endpoint"] == judge["base_url"] and recorded["service"] == service

@@ -31,6 +31,8 @@ CacheKey = tuple[str, str, str]  # (model name, checkpoint, device)
 
 _CACHE: dict[CacheKey, Any] = {}
 _LOCK = threading.RLock()
+# What reward services report of their reward models (served rewards hold none here).
+_SERVED: dict[str, dict[str, Any]] = {}
 
 
 def canonical_device(device: str | torch.device) -> torch.device:
@@ -107,11 +109,20 @@ def reward_model_handle(
 def describe_reward_models() -> dict[str, dict[str, str]]:
     """``{model name: {"template_sha256": digest, ...}}`` for each cached scorer that names the
     prompt template it uses (the Qwen2-VL scorers, the VLM judge, whose ``description`` adds its
-    endpoint, model and template): what a run records of its reward models, so that a score can
-    be traced to the template text and model that produced it."""
+    endpoint, model and template), and those of the reward services its served rewards use
+    (`record_served_models`): what a run records of its reward models, so that a score can be
+    traced to the template text and model that produced it."""
     with _LOCK:
-        return {key[0]: {"template_sha256": scorer.template_sha256, **getattr(scorer, "description", {})}
-                for key, scorer in _CACHE.items() if getattr(scorer, "template_sha256", None)}
+        local = {key[0]: {"template_sha256": scorer.template_sha256, **getattr(scorer, "description", {})}
+                 for key, scorer in _CACHE.items() if getattr(scorer, "template_sha256", None)}
+        return {**local, **_SERVED}
+
+
+def record_served_models(url: str, models: dict[str, dict[str, Any]]) -> None:
+    """Record what the reward service at ``url`` reports of its reward models (its own
+    `describe_reward_models`), each with ``"service": url``, beside this process's own."""
+    with _LOCK:
+        _SERVED.update({name: {**description, "service": url} for name, description in models.items()})
 
 
 def cache_key_of(scorer: Any) -> CacheKey | None:
@@ -167,7 +178,8 @@ def on_device(
 
 
 def clear_reward_models(*, cleanup: Callable[[], None] | None = None) -> int:
-    """Free every cached reward model and empty the cache; returns how many were freed.
+    """Free every cached reward model and empty the cache (and the services' records); returns
+    how many were freed.
 
     Each model is moved to the meta device, which releases its memory even where a stale
     reference survives (using one afterwards fails loudly instead of silently keeping GPU
@@ -176,6 +188,7 @@ def clear_reward_models(*, cleanup: Callable[[], None] | None = None) -> int:
     with _LOCK:
         scorers = list(_CACHE.values())
         _CACHE.clear()
+        _SERVED.clear()
     count = len(scorers)
     for scorer in scorers:
         _free(scorer)

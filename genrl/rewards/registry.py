@@ -40,6 +40,7 @@ on the CPU) or in any layout `genrl.rewards.layouts.prepare_images` accepts; rew
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import json
@@ -236,6 +237,11 @@ class RewardFn:
         spec = ",".join(f"{n}:{w:g}" for n, w in zip(self.names, self.weights))
         return f"RewardFn({spec!r}, device={str(self.device)!r})"
 
+    def may_abstain(self, name: str) -> bool:
+        """Whether reward ``name`` may abstain on a sample with NaN (its callable's
+        ``may_abstain``, e.g. a VLM judge's; a served reward's as its service reports it)."""
+        return bool(getattr(self._fns[self.names.index(name)], "may_abstain", False))
+
     def _call(self, i: int, samples, prompts, metadata) -> Any:
         try:
             return self._fns[i](samples, prompts, metadata)
@@ -264,7 +270,7 @@ class RewardFn:
                         raise RewardError(f"Reward {name!r} returned sub-scores {sorted(value)}, none named {name!r}.")
                     value = value[name]
                 # A reward that may abstain (a judge that gave no score) returns NaN for that sample.
-                out[name] = _as_scores(value, name, n, self.allow_nan or getattr(self._fns[i], "may_abstain", False))
+                out[name] = _as_scores(value, name, n, self.allow_nan or self.may_abstain(name))
         out = {name: out[name] for name in self.names}  # spec order, whatever the grouping
         total = torch.zeros(n, dtype=torch.float32)
         for name, weight in zip(self.names, self.weights):
@@ -386,6 +392,7 @@ def build_reward_fn(
 
 
 def _with_kwargs(fn: Callable[..., Any], kwargs: dict) -> Callable[..., Any]:
+    @functools.wraps(fn)  # keeps what the function says of itself (may_abstain)
     def call(samples, prompts, metadata):
         return fn(samples, prompts, metadata, **kwargs)
 

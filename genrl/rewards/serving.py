@@ -1,7 +1,8 @@
 """The reward service's replica: the Ray Serve deployment that ``serve_rewards.py`` runs.
 
 Each replica builds the rewards of one spec once (on its own GPU when it has one) and answers
-``GET /health`` and ``POST /score`` (wire format: `genrl.rewards.service`). Requests that
+``GET /health`` (the rewards, what the trainer reads of each, the reward models' records, the
+scoring requests this replica answered) and ``POST /score`` (wire format: `genrl.rewards.service`). Requests that
 arrive together, from any process of any run, are scored as one batch (``@serve.batch``):
 batches of the same frame shape are joined along N, scored in one call, and split again. A
 joined batch that fails is scored again request by request, so one bad request fails alone.
@@ -23,6 +24,7 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response
 
+from genrl.rewards.lifecycle import describe_reward_models
 from genrl.rewards.registry import build_reward_fn, failure_sentence, parse_reward_spec
 from genrl.rewards.service import decode_request, encode_scores
 
@@ -66,11 +68,15 @@ class RewardReplica:
         # rewards of one model share a forward pass (videoalign_vq and videoalign_ta).
         self.reward_fns[tuple(self.names)] = build_reward_fn(spec, device=device, options=options, allow_nan=True)
         self.options, self.device = dict(options), device
+        # What the trainer reads of an in-process reward, reported to its client.
+        self.properties = {name: {"may_abstain": self.reward_fns[(name,)].may_abstain(name)} for name in self.names}
+        self.requests = 0  # scoring requests answered
         self.score_batch.set_max_batch_size(max_batch_requests)
         self.score_batch.set_batch_wait_timeout_s(batch_wait_s)
 
     def health(self) -> dict[str, Any]:
-        return {"rewards": self.names, "options": self.options, "device": self.device, "engine": ENGINE}
+        return {"rewards": self.names, "properties": self.properties, "reward_models": describe_reward_models(),
+                "requests": self.requests, "options": self.options, "device": self.device, "engine": ENGINE}
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path.rstrip("/").rsplit("/", 1)[-1]
@@ -86,6 +92,7 @@ class RewardReplica:
         if unknown:
             return _json({"error": f"This service serves {self.names}, not {unknown[0]!r}."}, status_code=400)
         scores = await self.score_batch(ScoreRequest(frames, prompts, metadata, rewards))
+        self.requests += 1
         if isinstance(scores, str):
             return _json({"error": scores}, status_code=500)
         return _json(encode_scores({name: scores[name] for name in rewards}))

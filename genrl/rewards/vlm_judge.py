@@ -16,8 +16,10 @@ depends on the sample, the prompt and the judge alone.
 An answer without such a number (a refusal, prose, a number out of range) or a request that failed
 after its retries is NaN, with the reason logged: the judge abstains on that sample
 (``may_abstain``), and training counts it as the average of its prompt group for this reward
-(``genrl.advantages.fill_abstentions``), never as 0. Requests run ``max_concurrency`` at a time;
-each has a timeout and is retried ``retries`` times with exponential backoff.
+(``genrl.advantages.fill_abstentions``), never as 0; also behind the reward service
+(``serve_rewards.py``), which reports ``may_abstain`` to its clients. Requests run
+``max_concurrency`` at a time; each has a timeout and is retried ``retries`` times with
+exponential backoff.
 
 Options: ``base_url`` (required), ``model`` (required: the served model's name), ``template``,
 ``frames`` [4], ``min_score`` [0], ``max_score`` [10], ``max_tokens`` [16], ``max_concurrency``
@@ -37,7 +39,6 @@ import os
 import re
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
@@ -48,6 +49,7 @@ import torch
 
 from genrl.rewards import lifecycle
 from genrl.rewards.layouts import prepare_images
+from genrl.rewards.service import public_url
 
 logger = logging.getLogger(__name__)
 
@@ -61,13 +63,6 @@ DEFAULT_TEMPLATE = (
 OPTIONS = frozenset({"base_url", "model", "template", "frames", "min_score", "max_score", "max_tokens",
                      "max_concurrency", "timeout", "retries", "api_key_env"})
 _NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?")
-
-
-def public_url(url: str) -> str:
-    """``url`` without user name, password, query or fragment (which may carry a key)."""
-    parts = urllib.parse.urlsplit(url)
-    port = f":{parts.port}" if parts.port else ""
-    return f"{parts.scheme}://{parts.hostname}{port}{parts.path}"
 
 
 def endpoint_problem(base_url: str, timeout: float = 10.0) -> str | None:
