@@ -145,3 +145,74 @@ def merged(visual_output):
     """The merged vision features as each transformers version returns them (written out here,
     independently of genrl's own reader): 5.x an output object's pooler_output, 4.x the tensor."""
     return visual_output if isinstance(visual_output, torch.Tensor) else visual_output.pooler_output
+
+
+VA_TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
+VA_NORM = {"VQ_mean": 0.5, "VQ_std": 2.0, "MQ_mean": -1.0, "MQ_std": 0.5, "TA_mean": 0.25, "TA_std": 4.0}
+
+
+def videoalign_model_config(base: str, **data) -> dict:
+    """VideoReward's model_config.json for a tiny base folder (``data``: data_config entries to change)."""
+    from genrl.rewards.qwen2vl_preprocess import VIDEO_MAX_PIXELS
+
+    return {
+        "data_config": {"fps": 2.0, "num_frames": None, "max_frame_pixels": VIDEO_MAX_PIXELS, "sample_type": "uniform",
+                        "prompt_template_type": "detailed_special", **data},
+        "model_config": {"model_name_or_path": base, "output_dim": 1},
+        "peft_lora_config": {"lora_enable": True, "lora_r": 4, "lora_alpha": 8},
+        "inference_config": VA_NORM,
+    }
+
+
+def save_tiny_hpsv3(root) -> dict:
+    """An HPSv3 checkpoint (old key layout) of a tiny Qwen2-VL under ``root``: its ``base`` folder,
+    ``ckpt`` file and ``template`` file, the ``tokenizer`` and the in-memory ``model``."""
+    from safetensors.torch import save_file
+
+    from genrl.rewards.hpsv3 import build_rank_head
+
+    root = str(root)
+    base = make_base_folder(os.path.join(root, "base"))
+    tokenizer = make_tokenizer(["<|Reward|>"])
+    model = make_reward_model(build_rank_head(64), len(tokenizer), tokenizer, seed=0)
+    ckpt_dir = os.path.join(root, "ckpt")
+    os.makedirs(ckpt_dir)
+    save_file(to_old_layout(model.state_dict()), os.path.join(ckpt_dir, "HPSv3.safetensors"))
+    write_json(os.path.join(ckpt_dir, "prompt_template.json"), {"template": HPS_TEMPLATE})
+    template = write_json(os.path.join(root, "template.json"), {"template": HPS_TEMPLATE})
+    return {"root": root, "base": base, "tokenizer": tokenizer, "model": model,
+            "ckpt": os.path.join(ckpt_dir, "HPSv3.safetensors"), "template": template}
+
+
+def save_tiny_videoalign(root) -> dict:
+    """A VideoReward folder (model_config.json + checkpoint-<step>/model.pth: a PEFT LoRA in the old
+    key layout, the newest step trained, an older one not) of a tiny Qwen2-VL under ``root``: its
+    ``base`` folder and ``ckpt`` folder, the ``tokenizer``, the ``original`` model and the LoRA
+    ``merged`` into it."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    root = str(root)
+    base = make_base_folder(os.path.join(root, "base"), tie=True)  # Qwen2-VL-2B ties its word embeddings
+    tokenizer = make_tokenizer(VA_TOKENS)
+    head = torch.nn.Linear(64, 1, bias=False)
+    original = make_reward_model(head, len(tokenizer), tokenizer, seed=0, tie=True)
+    peft_model = get_peft_model(
+        copy.deepcopy(original),
+        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["rm_head"],
+                   target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"),
+    )
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name or "modules_to_save" in name:
+                p.normal_(0, 0.3)
+    ckpt = os.path.join(root, "VideoReward")
+    for step, state_dict in ((100, peft_model.state_dict()), (20, original.state_dict())):
+        os.makedirs(os.path.join(ckpt, f"checkpoint-{step}"))
+        torch.save(to_old_layout(state_dict), os.path.join(ckpt, f"checkpoint-{step}", "model.pth"))
+    write_json(os.path.join(ckpt, "model_config.json"), videoalign_model_config(base))
+    write_json(os.path.join(ckpt, "prompt_template.json"), {"template": VA_TEMPLATE})
+    merged_model = peft_model.merge_and_unload().eval()
+    return {"root": root, "base": base, "tokenizer": tokenizer, "original": original, "merged": merged_model, "ckpt": ckpt}

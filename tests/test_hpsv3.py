@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _tiny_qwen2vl import HPS_TEMPLATE, hf_image_processor, make_base_folder, merged, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
+from _tiny_qwen2vl import HPS_TEMPLATE, hf_image_processor, merged, save_tiny_hpsv3, smooth_images, to_old_layout, write_json  # noqa: E402
 
 from genrl.rewards import lifecycle  # noqa: E402
-from genrl.rewards.hpsv3 import build_hpsv3_reward, build_rank_head, load_hpsv3_scorer, top_fraction_mean  # noqa: E402
+from genrl.rewards.hpsv3 import build_hpsv3_reward, load_hpsv3_scorer, top_fraction_mean  # noqa: E402
 from genrl.rewards.qwen2vl_compat import _meta_tensor_names  # noqa: E402
 from genrl.rewards.qwen2vl_preprocess import HPSV3_PIXELS  # noqa: E402
 from genrl.rewards.registry import build_reward_fn  # noqa: E402
@@ -26,16 +26,7 @@ FAST = {"pixels": SMALL * SMALL}
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hpsv3")
-    base = make_base_folder(str(root / "base"))
-    tokenizer = make_tokenizer(["<|Reward|>"])
-    model = make_reward_model(build_rank_head(64), len(tokenizer), tokenizer, seed=0)
-    ckpt_dir = root / "ckpt"
-    ckpt_dir.mkdir()
-    save_file(to_old_layout(model.state_dict()), str(ckpt_dir / "HPSv3.safetensors"))
-    write_json(str(ckpt_dir / "prompt_template.json"), {"template": HPS_TEMPLATE})
-    template = write_json(str(root / "template.json"), {"template": HPS_TEMPLATE})
-    return {"root": root, "base": base, "tokenizer": tokenizer, "model": model, "ckpt": str(ckpt_dir / "HPSv3.safetensors"), "template": template}
+    return save_tiny_hpsv3(tmp_path_factory.mktemp("hpsv3"))
 
 
 @pytest.fixture(autouse=True)

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from _local_server import RewardService
+from _tiny_qwen2vl import save_tiny_hpsv3, save_tiny_videoalign, smooth_images
 from conftest import (
     ROOT, free_port, kill_launch, launch_command, run_python, run_script, script_env, script_errors,
     trainer_exit_in_process,
@@ -35,18 +36,29 @@ pytest.importorskip("ray.serve")
 
 HELD = "tests._served_rewards:held_jpeg"
 ABSTAINS = "tests._served_rewards:abstains"
-SERVED = (f"toy_geneval,jpeg_compressibility,pickscore,tests._served_rewards:wrong_count,tests._served_rewards:nan_scores,"
-          f"{ABSTAINS},{HELD}")
+SERVED = (f"toy_geneval,jpeg_compressibility,pickscore,hpsv3,videoalign_mq,videoalign_ta,tests._served_rewards:wrong_count,"
+          f"tests._served_rewards:nan_scores,{ABSTAINS},{HELD}")
 TOY_PROMPTS = ["a red circle", "two blue squares", "a green triangle above a red circle"]
 
 
 @pytest.fixture(scope="module")
-def service(folders, tmp_path_factory):  # noqa: F811
-    """A reward service serving SERVED (PickScore on the tiny CLIP) on a CPU replica: its URL;
-    ``.hold``: the file that holds HELD's answers while it exists."""
+def qwen2vl_options(tmp_path_factory) -> dict:
+    """``--reward_options`` of HPSv3 and VideoAlign on tiny Qwen2-VL checkpoints (small pixel budgets)."""
+    hpsv3 = save_tiny_hpsv3(tmp_path_factory.mktemp("hpsv3"))
+    videoalign = {"checkpoint": save_tiny_videoalign(tmp_path_factory.mktemp("videoalign"))["ckpt"],
+                  "min_pixels": 56 * 84, "max_pixels": 56 * 84}
+    return {"hpsv3": {"checkpoint": hpsv3["ckpt"], "base_model": hpsv3["base"], "template_path": hpsv3["template"],
+                      "pixels": 112 * 112},
+            "videoalign_mq": videoalign, "videoalign_ta": videoalign}
+
+
+@pytest.fixture(scope="module")
+def service(folders, qwen2vl_options, tmp_path_factory):  # noqa: F811
+    """A reward service serving SERVED (PickScore, HPSv3 and VideoAlign on tiny models) on a CPU
+    replica: its URL; ``.hold``: the file that holds HELD's answers while it exists."""
     folder = tmp_path_factory.mktemp("service")
     hold = str(folder / "hold")
-    options = {"pickscore": {"checkpoint": folders[0], "processor": folders[1]}, HELD: {"hold": hold}}
+    options = {"pickscore": {"checkpoint": folders[0], "processor": folders[1]}, HELD: {"hold": hold}, **qwen2vl_options}
     with open(folder / "service.log", "w+") as log:
         url = RewardService(SERVED, options, log, env=script_env()).start()
         url.hold = hold
@@ -91,6 +103,20 @@ def test_served_scores_equal_in_process_scores_also_when_requests_are_batched(se
             assert results[i][name].dtype == torch.float32
             assert (results[i][name] - expected[name]).abs().max() <= 1e-6, (name, results[i][name], expected[name])
     assert results[0]["toy_geneval"].max() > 0 and results[0]["pickscore"].std() > 0, "scores too trivial to compare"
+
+
+@pytest.mark.slow  # starts the service
+def test_served_hpsv3_and_videoalign_scores_equal_in_process_scores(service, qwen2vl_options):
+    names = "hpsv3,videoalign_mq,videoalign_ta"
+    local = build_reward_fn(names, options=qwen2vl_options)
+    remote = build_reward_fn(names, options=served(service, names))
+    # Two clips of 4 smooth frames at VideoAlign's pixel budget, float (N, C, F, H, W) in [0, 1].
+    clips = smooth_images(8, 56, 84, seed=3).reshape(2, 4, 56, 84, 3).permute(0, 4, 1, 2, 3).float() / 255
+    prompts = ["a slow pan over hills", "a cat jumps"]
+    expected, got = local(clips, prompts), remote(clips, prompts)
+    for name in names.split(","):
+        assert (got[name] - expected[name]).abs().max() <= 1e-6, (name, got[name], expected[name])
+        assert got[name].std() > 0, f"{name}: scores too trivial to compare"
 
 
 @pytest.mark.slow  # starts the service

@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _tiny_qwen2vl import VA_TEMPLATE, hf_image_processor, make_base_folder, merged, make_reward_model, make_tokenizer, smooth_images, to_old_layout, write_json  # noqa: E402
+from _tiny_qwen2vl import VA_TEMPLATE, hf_image_processor, merged, make_tokenizer, save_tiny_videoalign, smooth_images, write_json  # noqa: E402
+from _tiny_qwen2vl import VA_NORM as NORM, VA_TOKENS as TOKENS, videoalign_model_config as _model_config  # noqa: E402
 
 from genrl.rewards import lifecycle  # noqa: E402
 from genrl.rewards import videoalign as va  # noqa: E402
@@ -23,48 +24,9 @@ from genrl.rewards.registry import build_reward_fn  # noqa: E402
 torch.set_num_threads(2)
 H, W = 56, 84  # frames kept at this size (a multiple of 28) by the pixel bounds below: no resampling
 FAST = {"min_pixels": H * W, "max_pixels": H * W}
-TOKENS = ("<|VQ_reward|>", "<|MQ_reward|>", "<|TA_reward|>")
-NORM = {"VQ_mean": 0.5, "VQ_std": 2.0, "MQ_mean": -1.0, "MQ_std": 0.5, "TA_mean": 0.25, "TA_std": 4.0}
-
-
-def _model_config(base, **data):
-    return {
-        "data_config": {"fps": 2.0, "num_frames": None, "max_frame_pixels": VIDEO_MAX_PIXELS, "sample_type": "uniform",
-                        "prompt_template_type": "detailed_special", **data},
-        "model_config": {"model_name_or_path": base, "output_dim": 1},
-        "peft_lora_config": {"lora_enable": True, "lora_r": 4, "lora_alpha": 8},
-        "inference_config": NORM,
-    }
-
-
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    from peft import LoraConfig, get_peft_model
-
-    root = tmp_path_factory.mktemp("videoalign")
-    base = make_base_folder(str(root / "base"), tie=True)  # Qwen2-VL-2B ties its word embeddings
-    tokenizer = make_tokenizer(TOKENS)
-    head = torch.nn.Linear(64, 1, bias=False)
-    original = make_reward_model(head, len(tokenizer), tokenizer, seed=0, tie=True)
-    peft_model = get_peft_model(
-        copy.deepcopy(original),
-        LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, modules_to_save=["rm_head"],
-                   target_modules=r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"),
-    )
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_B" in name or "modules_to_save" in name:
-                p.normal_(0, 0.3)
-    # VideoReward's folder: model_config.json + checkpoint-<step>/model.pth (PEFT, old layout).
-    ckpt = root / "VideoReward"
-    for step, state_dict in ((100, peft_model.state_dict()), (20, original.state_dict())):
-        (ckpt / f"checkpoint-{step}").mkdir(parents=True)
-        torch.save(to_old_layout(state_dict), str(ckpt / f"checkpoint-{step}" / "model.pth"))
-    write_json(str(ckpt / "model_config.json"), _model_config(base))
-    write_json(str(ckpt / "prompt_template.json"), {"template": VA_TEMPLATE})
-    merged = peft_model.merge_and_unload().eval()
-    return {"root": root, "base": base, "tokenizer": tokenizer, "original": original, "merged": merged, "ckpt": str(ckpt)}
+    return save_tiny_videoalign(tmp_path_factory.mktemp("videoalign"))
 
 
 @pytest.fixture(autouse=True)
