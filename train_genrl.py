@@ -55,6 +55,7 @@ from genrl.nan_guard import NonFiniteError, NonFiniteGuard, NonFiniteSamples, sa
 from genrl.node_storage import checkpoint_writer, output_dir_is_node_local, use_node_local_checkpoints
 from genrl.objectives import UpdateConfig, check_sigma_range_holds, reference_model
 from genrl.output_lock import lock_output_dir
+from genrl.pipeline_defaults import at_pipeline_defaults
 from genrl.plots import plot_training_curves
 from genrl.policies import load_policy
 from genrl.preemption import Preempted, PreemptionWatch, capture_rng_states, preempted_message, restore_rng_states
@@ -243,6 +244,7 @@ def main(args, held: ExitStack | None = None):
         max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
         probe_prompts=args.eval_diversity_prompts, probe_samples=args.eval_diversity_samples,
         samples_per_prompt=args.eval_samples_per_prompt,
+        pipeline_defaults=at_pipeline_defaults(eval_sampling, policy.pipeline) if args.eval_pipeline_defaults else None,
     )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
@@ -285,7 +287,7 @@ def main(args, held: ExitStack | None = None):
         total=schedule.planned_steps, initial=global_step, desc="training", unit="step",
         disable=not accelerator.is_main_process,
     )
-    last_eval = evaluate_now(step=global_step, epoch=first_epoch) if args.eval_steps and first_epoch == 0 else {}
+    last_eval = evaluate_now(step=global_step, epoch=first_epoch, at_pipeline_defaults=True) if args.eval_steps and first_epoch == 0 else {}
     watch_evaluation(accelerator, watch, last_eval, step=global_step)
     guard = NonFiniteGuard(args.learning_rate)  # NaN / Inf: skip the step, stop after a few in a row
     checkpoint_pushes = []  # futures of background checkpoint uploads (main process)
@@ -394,7 +396,7 @@ def main(args, held: ExitStack | None = None):
                            nonfinite=bool(guard.consecutive))
         done = update.reached_max_steps or epoch == args.num_epochs - 1
         if crossed(args.eval_steps, step_at_epoch_start, global_step) or (done and args.eval_steps):
-            last_eval = evaluate_now(step=global_step, epoch=epoch)
+            last_eval = evaluate_now(step=global_step, epoch=epoch, at_pipeline_defaults=done)
             alarms = watch_evaluation(accelerator, watch, last_eval, step=global_step)
             if alarms and args.stop_on_reward_hacking:  # before this epoch's checkpoint: none holds these weights
                 kept = checkpoint_dirs(args.output_dir)

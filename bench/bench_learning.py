@@ -13,15 +13,26 @@ launch, set-up and evaluations included). Each run's final weights are also eval
 with the noise alone, as much as the seeds differ, so the mean over draws is the figure to
 compare runs by.
 
+Every model as a user meets it: the base and each run's final weights are scored on the runs'
+held-out prompts and noises (``--final_noise_draws`` of them) at the trained evaluation's
+settings, at each guidance scale of ``--guidance_sweep`` (the evaluation's step count; the
+best is reported with its scale) and at the pipeline's own defaults (``pipe(prompt)``'s steps and
+guidance, ``genrl.pipeline_defaults``: 28 steps at guidance 7 for SD3). A model trained unguided
+need not stay good under guidance, and a base can be far better guided than unguided, so the
+summary leads with the base at its best guidance against the trained model at its own settings,
+the strict score (every check of a prompt passed) beside the mean.
+
 Ceilings, on the same held-out prompts, evaluation settings and noise:
 - best-of-K: the base model's mean over prompts of the best of K samples (K = group size,
   evaluation seeds 0..K-1): what picking the best sample of a group reaches without training;
 - supervised: the toy model fine-tuned by flow matching on rendered ground-truth scenes of the
   train prompts (``scripts/pretrain_toy_model.py``'s loop, ``--supervised_steps``), scored every
-  ``--supervised_eval_every`` steps; the best score is the ceiling, and the curve shows whether the
-  fine-tune reached its plateau: what the architecture reaches when it is shown the right answers.
-  Its steps to 0.6 and 0.8 (64 scenes a step, as an RL step's 64 samples) are the pace that labels
-  for every sample set.
+  ``--supervised_eval_every`` steps at the runs' guidance (the curve shows whether the fine-tune
+  reached its plateau); the ceiling is the best of the guidance sweep of its final weights:
+  what the architecture reaches when it is shown the right answers. Its steps to 0.6 and 0.8
+  (64 scenes a step, as an RL step's 64 samples) are the pace that labels for every sample set;
+- supervised at the RL run's budget: the same fine-tune for as many scenes as the RL run
+  sampled images (its epochs x samples per epoch, ``rl_samples``), swept the same way.
 
 ``--setting video`` checks that video learns too: the tiny Wan (5 frames of 32x32, random
 transformer) with a VAE first trained on toy clips (``genrl.testing.toy_video``, so that what
@@ -34,13 +45,16 @@ smooth decodes of noise, still and mean latents are: the room the VAE leaves the
     python bench/bench_learning.py --setting video                # tiny Wan, temporal smoothness (~20 min)
     python bench/bench_learning.py --objectives grpo --extra=--grpo_guard   # an option of one objective
     python bench/bench_learning.py --objectives nft --base_model /tmp/toy6k --guidance_scale 1   # another base, CFG-free
+    python bench/bench_learning.py --objectives nft --guidance_sweep 1 4.5      # a smaller guidance sweep
     python bench/bench_learning.py --quick                        # CI: tiny random model, 2 steps, one seed
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -133,6 +147,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--final_noise_draws", type=int, default=None,
                         help="Evaluate each run's final weights from this many noises (eval_genrl.py --samples_per_prompt) "
                              "and report the mean (default 4; 2 with --quick; 0: skip).")
+    parser.add_argument("--guidance_sweep", type=float, nargs="+", default=None,
+                        help="Guidance scales every model is scored at besides its trained settings and the pipeline's "
+                             "defaults (default 1 2 4.5 7.5; 1 4.5 with --quick).")
+    parser.add_argument("--no_sweep", action="store_true",
+                        help="Skip the guidance sweeps and the pipeline-defaults scores (and the summary they lead).")
     parser.add_argument("--extra", type=str, default="", help="More train_genrl.py arguments for every run, one string "
                         "(write --extra=--grpo_guard when it starts with a dash and has no space).")
     args = parser.parse_args(argv)
@@ -145,6 +164,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.final_noise_draws = 2 if args.quick else 4
     args.supervised_steps = args.supervised_steps or (2 if args.quick else 1600)
     args.supervised_eval_every = args.supervised_eval_every or (1 if args.quick else 400)
+    args.supervised_batch_size = 8 if args.quick else 64  # scenes per supervised step
+    args.guidance_sweep = args.guidance_sweep or ([1.0, 4.5] if args.quick else [1.0, 2.0, 4.5, 7.5])
     args.output_dir = args.output_dir or (
         tempfile.mkdtemp(prefix="bench-learning-") if args.quick else os.path.join("bench-output", f"learning-{args.setting}")
     )
@@ -300,6 +321,159 @@ def summarize(objective: str, curves: list[dict]) -> dict:
     return row
 
 
+# ----- every model as a user meets it -----------------------------------------------------------
+
+# The sweeps score the partial-credit score and, beside it, the strict one (all checks passed).
+STRICT = "toy_geneval_strict"
+SWEEP_REWARD = f"toy_geneval,{STRICT}:0"
+
+
+def run_plan(run_dir: str, draws: int):
+    """(base model, ``EvalPlan``) of a finished run: its trained evaluation's prompts, batches,
+    noise seed and sampling (``train_args.sampling_configs`` of its recorded arguments), scored by
+    ``SWEEP_REWARD`` from ``draws`` noises."""
+    from genrl.checkpointing import CONFIG_FILE
+    from genrl.data import load_prompts
+    from genrl.rewards import build_reward_fn
+    from genrl.train_args import sampling_configs
+    from genrl.train_logging import EvalPlan
+
+    with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+        config = json.load(f)
+    run = argparse.Namespace(**config["args"])
+    _, sampling = sampling_configs(run)
+    prompts = load_prompts(run.eval_prompt_dataset, split=run.eval_split, prompt_column=run.prompt_column)
+    plan = EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), sampling, seed=run.eval_seed, batch_size=run.eval_batch_size,
+                    max_batches=run.eval_max_batches, keep_samples=0, video_fps=run.eval_video_fps, samples_per_prompt=draws)
+    return config["base_model"], plan
+
+
+def guided_sweep(policy, plan, guidance_scales) -> dict:
+    """``policy`` scored on ``plan``'s prompts and noises at its sampling settings (``trained``),
+    at each of ``guidance_scales`` with its step count (``sweep``: ``[guidance, mean, strict]``
+    rows, the plan's own guidance among them; ``best``: the row of the highest mean) and at the
+    pipeline's default steps and guidance (``defaults``)."""
+    from genrl.pipeline_defaults import at_pipeline_defaults
+    from genrl.train_logging import evaluate_plan
+
+    def score(config) -> list[float]:
+        metrics = evaluate_plan(plan, policy, policy.transformer, "cpu", config=config).metrics
+        return [config.guidance_scale, metrics["toy_geneval"]["mean"], metrics[STRICT]["mean"]]
+
+    sweep = [score(dataclasses.replace(plan.config, guidance_scale=g))
+             for g in sorted({*map(float, guidance_scales), plan.config.guidance_scale})]
+    defaults = at_pipeline_defaults(plan.config, policy.pipeline)
+    _, mean, strict = score(defaults)
+    trained = next(row for row in sweep if row[0] == plan.config.guidance_scale)
+    return {"sample_steps": plan.config.num_inference_steps, **sweep_summary(sweep, trained),
+            "defaults_steps": defaults.num_inference_steps, "defaults_cfg": defaults.guidance_scale,
+            "defaults": mean, "defaults_strict": strict}
+
+
+def best_guidance(sweep: list[list[float]]) -> list[float]:
+    """The ``[guidance, mean, strict]`` row of the highest mean (the lowest guidance among equals)."""
+    return max(sorted(sweep), key=lambda row: row[1])
+
+
+def sweep_summary(sweep: list[list[float]], trained: list[float]) -> dict:
+    """A sweep's rows with its ``trained`` row and its best, as flat figures."""
+    best = best_guidance(sweep)
+    return {"sweep": sweep, "trained_cfg": trained[0], "trained": trained[1], "trained_strict": trained[2],
+            "best_cfg": best[0], "best": best[1], "best_strict": best[2]}
+
+
+def mean_sweep(sweeps: list[dict]) -> dict:
+    """Several seeds' ``guided_sweep`` results of one objective as one: each figure the mean
+    over the seeds, the best guidance that of the mean sweep (not a mean of each seed's best)."""
+    rows = [[row[0], *(statistics.fmean(s["sweep"][i][k] for s in sweeps) for k in (1, 2))]
+            for i, row in enumerate(sweeps[0]["sweep"])]
+    trained = next(row for row in rows if row[0] == sweeps[0]["trained_cfg"])
+    return {"sample_steps": sweeps[0]["sample_steps"], **sweep_summary(rows, trained),
+            **{k: sweeps[0][k] for k in ("defaults_steps", "defaults_cfg")},
+            **{k: statistics.fmean(s[k] for s in sweeps) for k in ("defaults", "defaults_strict")}}
+
+
+def samples_seen(records: list[dict], samples_per_epoch: int) -> int:
+    """Images an RL run sampled: its epochs (the distinct epochs of its logged epoch records,
+    those with ``time/train_s``) times ``samples_per_epoch`` (all processes)."""
+    return len({r["epoch"] for r in records if "time/train_s" in r}) * samples_per_epoch
+
+
+def rl_samples(run_dir: str) -> int:
+    """``samples_seen`` of a finished one-process run, from its ``logs/metrics.jsonl`` and its
+    recorded arguments (``RunSchedule``)."""
+    from genrl.checkpointing import CONFIG_FILE
+    from genrl.schedule import RunSchedule
+
+    with open(os.path.join(run_dir, CONFIG_FILE)) as f:
+        run = argparse.Namespace(**json.load(f)["args"])
+    with open(os.path.join(run_dir, "logs", "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
+    schedule = RunSchedule.from_args(run, num_processes=1, num_prompts=1)
+    return samples_seen(records, schedule.samples_per_epoch_all_processes)
+
+
+def budget_steps(samples: int, batch_size: int) -> int:
+    """Supervised steps of ``batch_size`` scenes that see at least ``samples`` images: ceil(samples / batch_size)."""
+    return max(1, math.ceil(samples / batch_size))
+
+
+def headline(objective: str, base: dict, trained: dict, supervised: dict | None = None,
+             at_budget: dict | None = None) -> dict:
+    """The summary's first row: the base at its best guidance -> the trained model (``trained``:
+    ``mean_sweep`` over its seeds) at its own settings, strict beside each mean; both at their best
+    guidance and at the pipeline's defaults; the supervised ceiling (the best of its sweep) and the
+    supervised run at the RL run's budget beside them."""
+    row = {"bench": "learning", "headline": objective,
+           "base_best_cfg": base["best_cfg"], "base_best": base["best"], "base_best_strict": base["best_strict"],
+           "trained_cfg": trained["trained_cfg"], "trained": trained["trained"], "trained_strict": trained["trained_strict"],
+           "gain": trained["trained"] - base["best"],
+           "trained_best_cfg": trained["best_cfg"], "trained_best": trained["best"],
+           "defaults": f"{trained['defaults_steps']} steps, CFG {trained['defaults_cfg']:g}",
+           "base_defaults": base["defaults"], "trained_defaults": trained["defaults"]}
+    for name, ceiling in (("supervised", supervised), ("supervised_budget", at_budget)):
+        if ceiling is not None:
+            row.update({name: ceiling["score"], f"{name}_cfg": ceiling["cfg"], f"{name}_strict": ceiling["strict"],
+                        f"{name}_steps": ceiling["steps"]})
+    return row
+
+
+def headline_line(row: dict) -> str:
+    """The summary's lead sentence of one headline row."""
+    text = (f"{row['headline']}: base at its best (CFG {row['base_best_cfg']:g}) {row['base_best']:.3f} "
+            f"(strict {row['base_best_strict']:.3f}) -> trained {row['trained']:.3f} (strict {row['trained_strict']:.3f}) "
+            f"at CFG {row['trained_cfg']:g}; at the pipeline's defaults ({row['defaults']}) base {row['base_defaults']:.3f}, "
+            f"trained {row['trained_defaults']:.3f}")
+    if "supervised" in row:
+        text += f"; supervised ceiling {row['supervised']:.3f} (CFG {row['supervised_cfg']:g})"
+    if "supervised_budget" in row:
+        text += (f", supervised at the RL run's images ({row['supervised_budget_steps']} steps) "
+                 f"{row['supervised_budget']:.3f} (CFG {row['supervised_budget_cfg']:g})")
+    return text
+
+
+def sweep_models(args, curves: dict[str, list[dict]]) -> tuple[dict, dict[str, list[dict]]]:
+    """``guided_sweep`` of each run's base (once per base and evaluation) and of each run's final
+    weights: (``{run dir: its base's sweep}``, ``{objective: [sweep of each seed]}``)."""
+    from genrl.checkpointing import load_trained_policy
+
+    draws = max(1, args.final_noise_draws)
+    swept, base_of_run, runs = {}, {}, {}
+    for objective, seeds in curves.items():
+        for curve in seeds:
+            run_dir = curve["run_dir"]
+            base_model, plan = run_plan(run_dir, draws)
+            key = json.dumps([base_model, dataclasses.asdict(plan.config), plan.seed, plan.batch_size, plan.max_batches])
+            if key not in swept:
+                swept[key] = emit({"bench": "learning", "model": "base", "path": base_model,
+                                   **guided_sweep(load_trained_policy(base_model), plan, args.guidance_sweep)})
+            base_of_run[run_dir] = swept[key]
+            record = guided_sweep(load_trained_policy(run_dir), plan, args.guidance_sweep)
+            runs.setdefault(objective, []).append(emit({"bench": "learning", "model": os.path.basename(run_dir),
+                                                         "objective": objective, **record}))
+    return base_of_run, runs
+
+
 # ----- the ceilings ---------------------------------------------------------------------------
 
 
@@ -348,15 +522,29 @@ def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str
             "single_sample": statistics.fmean(per_seed[0])}
 
 
+def ceiling_plan(batches: tuple[int, int] | None, guidance_scale: float | None, draws: int):
+    """The ``EvalPlan`` of the ceilings' sweeps: ``eval_setting``'s prompts and sampling, scored
+    by ``SWEEP_REWARD`` from ``draws`` noises (evaluation seed 0, as the runs')."""
+    from genrl.rewards import build_reward_fn
+    from genrl.train_logging import EvalPlan
+
+    prompts, _, config, run = eval_setting(batches, guidance_scale)
+    return EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), config, seed=0, batch_size=run["eval_batch_size"],
+                    max_batches=run["eval_max_batches"], keep_samples=0, video_fps=0, samples_per_prompt=draws)
+
+
 def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple[int, int] | None = None,
-                       model: str | None = None, guidance_scale: float | None = None, noise_draws: int = 0) -> dict:
+                       model: str | None = None, guidance_scale: float | None = None, noise_draws: int = 0,
+                       guidance_sweep=(1.0,), batch_size: int = 64, name: str = "supervised") -> dict:
     """The toy model (``model``, default the shipped one) fine-tuned on ground-truth scenes of
-    the train prompts for ``steps`` flow steps, evaluated every ``eval_every`` steps and at the
-    end as the no-argument run evaluates (its ``eval_samples_per_prompt`` noises per prompt);
-    the ceiling is the best of these evaluations (a plateau shows the fine-tune was long
-    enough), ``curve`` holds them all as ``[step, score]``. The best of several noisy evaluations
-    is biased upwards, so ``final_noise_mean`` also scores the final weights on ``noise_draws``
-    noises (seeds 0, 1000, ..., as the runs' ``final_over_noise``)."""
+    the train prompts for ``steps`` flow steps of ``batch_size`` scenes, evaluated every
+    ``eval_every`` steps and at the end as the no-argument run evaluates (its
+    ``eval_samples_per_prompt`` noises per prompt, at the runs' guidance): ``curve`` holds these as
+    ``[step, score]``, and shows whether the fine-tune reached its plateau. Its final weights are
+    then scored from ``noise_draws`` noises (seeds 0, 1000, ..., as the runs' ``final_over_noise``)
+    at each guidance of ``guidance_sweep`` and at the pipeline's defaults (``guided_sweep``): the
+    ceiling ``score`` is the best of that sweep, with its guidance ``cfg``; ``final_noise_mean``
+    is its row at the runs' guidance."""
     import numpy as np
     import torch
     from diffusers import StableDiffusion3Pipeline
@@ -370,8 +558,8 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
     pipe = StableDiffusion3Pipeline.from_pretrained(model or train_args.DEFAULT_MODEL)
     pipe.set_progress_bar_config(disable=True)
     options = pretrain.parse_args(["--steps", str(steps), "--learning_rate", "3e-4", "--warmup_steps", "0",
-                                   "--log_every", str(max(1, steps // 4)), "--eval_every", str(eval_every or 0)]
-                                  + (["--batch_size", "8"] if steps < 10 else []))
+                                   "--log_every", str(max(1, steps // 4)), "--eval_every", str(eval_every or 0),
+                                   "--batch_size", str(batch_size)])
     specs = [s for s in all_specs() if not is_test_combination(s)]
     # No .to(): it would freeze the text encoders, which the fine-tune trains.
     policy = policy_for_pipeline(pipe)
@@ -382,20 +570,20 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
         draws = train_args.toy_run().get("eval_samples_per_prompt", 1)
         curve.append([step, statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale, draws))])
         eval_s[0] += time.perf_counter() - begin
-        print(f"  supervised step {step}: held-out toy_geneval {curve[-1][1]:.4f}", flush=True)
+        print(f"  {name} step {step}: held-out toy_geneval {curve[-1][1]:.4f}", flush=True)
 
     torch.manual_seed(0)
     start = time.perf_counter()
     pretrain.train_transformer(pipe, specs, options, np.random.default_rng(0), progress=score)
     seconds = time.perf_counter() - start - eval_s[0]
     score(steps)
-    best = max(curve, key=lambda point: point[1])
     # How many steps labelled scenes need to each threshold: the pace RL's steps compare with.
     reach = {"steps": [step for step, _ in curve], "scores": [value for _, value in curve]}
-    final_noise_mean = statistics.fmean(held_out_scores(policy, 0, batches, guidance_scale, noise_draws)) if noise_draws else None
-    return {"bench": "learning", "ceiling": "supervised", "score": best[1], "steps": best[0], "curve": curve,
-            "train_s": seconds, "final_noise_mean": final_noise_mean,
-            **{f"steps_to_{t}": first_reaching(reach, t, "steps") for t in THRESHOLDS}}
+    sweep = guided_sweep(policy, ceiling_plan(batches, guidance_scale, max(1, noise_draws)), guidance_sweep)
+    return {"bench": "learning", "ceiling": name, "score": sweep["best"], "cfg": sweep["best_cfg"],
+            "strict": sweep["best_strict"], "steps": steps, "images": steps * batch_size, "curve": curve,
+            "curve_best": max(value for _, value in curve), "train_s": seconds, "final_noise_mean": sweep["trained"],
+            **sweep, **{f"steps_to_{t}": first_reaching(reach, t, "steps") for t in THRESHOLDS}}
 
 
 def video_reward_reach(model: str, num_samples: int = 32) -> dict:
@@ -447,7 +635,8 @@ def plot(curves: dict[str, list[dict]], ceilings: list[dict], path: str, score: 
     for ceiling in ceilings:
         for ax in axes:
             ax.axhline(ceiling["score"], ls="--", lw=1, color="gray")
-        axes[1].annotate(ceiling["ceiling"], (1.0, ceiling["score"]), xycoords=("axes fraction", "data"),
+        label = ceiling["ceiling"] + (f" (CFG {ceiling['cfg']:g})" if "cfg" in ceiling else "")
+        axes[1].annotate(label, (1.0, ceiling["score"]), xycoords=("axes fraction", "data"),
                          ha="right", va="bottom", fontsize=8, color="gray")
     axes[0].set_xlabel("optimizer steps")
     axes[1].set_xlabel("wall seconds (one run)")
@@ -471,39 +660,75 @@ def main(args) -> list[dict]:
         args.eval_steps = args.eval_steps or 1
     threads = max(1, (os.cpu_count() or 1) // args.jobs)
     jobs = [(o, s) for o in args.objectives for s in args.seeds]
+    run_dirs = {job: os.path.join(args.output_dir, f"{job[0]}-seed{job[1]}") for job in jobs}
     with ThreadPoolExecutor(args.jobs) as pool:
-        futures = {job: pool.submit(run_training, *job, os.path.join(args.output_dir, f"{job[0]}-seed{job[1]}"), base, args, threads)
-                   for job in jobs}
-        results = {job: future.result() for job, future in futures.items()}
+        futures = {job: pool.submit(run_training, *job, run_dirs[job], base, args, threads) for job in jobs}
+        results = {job: {**future.result(), "run_dir": run_dirs[job]} for job, future in futures.items()}
     curves = {o: [results[(o, s)] for s in args.seeds] for o in args.objectives}
     rows = []
     for objective, runs in curves.items():
         for seed, curve in zip(args.seeds, runs):
             emit({"bench": "learning", "objective": objective, "seed": seed, **curve})
         rows.append(emit(summarize(objective, runs)))
-    common.print_table(rows, ["objective", "seeds", "steps", "start", "final_mean", "final_spread", "best_mean",
-                              "final_minus_best_earlier", "final_noise_mean", "final_noise_spread", "noise_sd",
-                              "steps_to_0.6", "seeds_to_0.6", "steps_to_0.8", "seeds_to_0.8", "s_to_0.6", "s_to_0.8",
-                              "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
-    ceilings = []
+    # Every model where a user samples it: the base and each run's final weights over the guidance
+    # sweep and at the pipeline's defaults (a toy_geneval setting: the video one has no guidance to speak of).
+    sweeps, bases = {}, {}
+    if not args.no_sweep and SCORES[args.setting] == "toy_geneval":
+        bases, sweeps = sweep_models(args, curves)
+    ceilings, supervised, at_budget = [], None, {}
     if not args.no_ceilings and args.setting != "video":
         # K = the no-argument run's samples per prompt (its objective's preset: 16 for NFT with PODS).
         from genrl import train_args
 
         group_size = 2 if args.quick else train_args.toy_run().get("group_size", 8)
-        ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale)),
-                    emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, args.ceiling_batches,
-                                                args.base_model, args.guidance_scale, args.final_noise_draws))]
-        common.print_table(ceilings, ["ceiling", "score", "final_noise_mean", "single_sample", "steps", "steps_to_0.6",
-                                      "steps_to_0.8", "train_s"],
-                           title="Ceilings")
+        options = dict(batches=args.ceiling_batches, model=args.base_model, guidance_scale=args.guidance_scale,
+                       noise_draws=args.final_noise_draws, guidance_sweep=args.guidance_sweep,
+                       batch_size=args.supervised_batch_size)
+        ceilings = [emit(best_of_k_ceiling(group_size, args.ceiling_batches, args.base_model, args.guidance_scale))]
+        supervised = emit(supervised_ceiling(args.supervised_steps, args.supervised_eval_every, **options))
+        ceilings.append(supervised)
+        # The same fine-tune seeing as many scenes as each objective's run sampled images.
+        by_steps = {}
+        for objective, runs in curves.items():
+            samples = rl_samples(runs[0]["run_dir"])
+            steps = budget_steps(samples, args.supervised_batch_size)
+            if steps not in by_steps:
+                by_steps[steps] = emit({**supervised_ceiling(steps, name="supervised_at_budget", **options),
+                                        "rl_samples": samples})
+                ceilings.append(by_steps[steps])
+            at_budget[objective] = by_steps[steps]
+    headlines = [emit(headline(objective, bases[runs[0]["run_dir"]], mean_sweep(sweeps[objective]), supervised,
+                               at_budget.get(objective)))
+                 for objective, runs in curves.items() if objective in sweeps]
+    # The summary: the headline first, then the sweeps, the curves and the ceilings.
+    if headlines:
+        print("\nBase at its best guidance -> trained at its own settings (strict score beside the mean; mean over seeds):")
+        for row in headlines:
+            print("  " + headline_line(row))
+        common.print_table(headlines, ["headline", "base_best_cfg", "base_best", "base_best_strict", "trained_cfg", "trained",
+                                       "trained_strict", "gain", "trained_best_cfg", "trained_best", "defaults",
+                                       "base_defaults", "trained_defaults", "supervised_cfg", "supervised",
+                                       "supervised_budget_steps", "supervised_budget_cfg", "supervised_budget"])
+        swept = [*{id(b): b for b in bases.values()}.values(), *(r for records in sweeps.values() for r in records)]
+        swept += [{"model": c["ceiling"], **c} for c in ceilings if "sweep" in c]
+        common.print_table(swept, ["model", "sample_steps", "trained_cfg", "trained", "trained_strict", "best_cfg", "best",
+                                   "best_strict", "defaults_steps", "defaults_cfg", "defaults", "defaults_strict"],
+                           title=f"Each model over guidance ({', '.join(f'{g:g}' for g in args.guidance_sweep)}) and at the "
+                                 "pipeline's defaults")
+    common.print_table(rows, ["objective", "seeds", "steps", "start", "final_mean", "final_spread", "best_mean",
+                              "final_minus_best_earlier", "final_noise_mean", "final_noise_spread", "noise_sd",
+                              "steps_to_0.6", "seeds_to_0.6", "steps_to_0.8", "seeds_to_0.8", "s_to_0.6", "s_to_0.8",
+                              "wall_s_mean"], title=f"Held-out {SCORES[args.setting]} (mean over seeds; spread = max - min)")
+    common.print_table(ceilings, ["ceiling", "score", "cfg", "strict", "final_noise_mean", "single_sample", "steps", "images",
+                                  "curve_best", "steps_to_0.6", "steps_to_0.8", "train_s"],
+                       title="Ceilings (supervised: the best of the guidance sweep of its final weights)")
     if args.setting == "video":
         reach = emit(video_reward_reach(base[base.index("--pretrained_model_name_or_path") + 1]))
         common.print_table([reach], ["noise_latents_mean", "noise_latents_std", "still_latents_mean", "zero_latents"],
                            title="What the tiny Wan's VAE leaves to the policy (temporal_smoothness of decoded latents)")
     path = plot(curves, ceilings, os.path.join(args.output_dir, "learning_curves.png"), SCORES[args.setting])
     emit({"bench": "learning", "plot": path})
-    return rows + ceilings
+    return headlines + rows + ceilings
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import re
 import warnings
 from typing import Mapping
 
-from genrl.scores import drop_repeated_total
+from genrl.scores import reward_means
 
 # logger name -> patterns of messages that are known noise (searched in the formatted message)
 KNOWN_NOISE: dict[str, tuple[str, ...]] = {
@@ -87,24 +87,18 @@ def close_progress_bars() -> None:
         bar.close()
 
 
-def _reward_means(values: Mapping[str, float], prefix: str) -> dict[str, float]:
-    """``{name: mean}`` of the ``<prefix>/<name>_mean`` keys, without "total" when it repeats the
-    one reward it sums (it then carries no news)."""
-    return drop_repeated_total(
-        {k[len(prefix) + 1 : -len("_mean")]: v for k, v in values.items() if k.startswith(prefix + "/") and k.endswith("_mean")}
-    )
-
-
-def eval_line(step: int, values: Mapping[str, float]) -> str:
-    """The one line printed per evaluation: ``eval at step 20: toy_geneval 0.4920, ...``."""
-    return f"eval at step {step}: " + ", ".join(f"{name} {v:.4f}" for name, v in _reward_means(values, "eval").items())
+def eval_line(step: int, values: Mapping[str, float], prefix: str = "eval", where: str = "") -> str:
+    """The one line printed per evaluation: ``eval at step 20: toy_geneval 0.4920, ...``, of the
+    ``<prefix>/<reward>_mean`` values; ``where`` follows the step (``at the pipeline's defaults``)."""
+    means = reward_means(values, prefix)
+    return f"eval at step {step}{' ' + where if where else ''}: " + ", ".join(f"{name} {v:.4f}" for name, v in means.items())
 
 
 def progress_postfix(epoch_logs: Mapping[str, float], last_eval: Mapping[str, float]) -> str:
     """The progress bar's postfix: the latest epoch's mean training reward(s) and the first
     reward of the latest evaluation."""
-    parts = [f"reward {name} {v:.4f}" for name, v in _reward_means(epoch_logs, "reward").items()]
-    evals = _reward_means(last_eval, "eval")
+    parts = [f"reward {name} {v:.4f}" for name, v in reward_means(epoch_logs, "reward").items()]
+    evals = reward_means(last_eval, "eval")
     if evals:
         name, value = next(iter(evals.items()))
         parts.append(f"eval {name} {value:.4f}")

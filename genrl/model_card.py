@@ -15,7 +15,8 @@ from typing import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
 
-from genrl.scores import drop_repeated_total, format_score
+from genrl.pipeline_defaults import LOG_PREFIX as PIPELINE_DEFAULTS, SETTING_KEYS, settings_text as defaults_text
+from genrl.scores import drop_repeated_total, format_score, reward_means
 
 # How the card names each --objective, and its Hub tags.
 METHOD_NAMES = {"grpo": "GRPO / Flow-GRPO", "nft": "DiffusionNFT", "awm": "advantage-weighted matching"}
@@ -37,9 +38,10 @@ This repository holds a LoRA adapter of the transformer (`pytorch_lora_weights.s
 This repository holds the fine-tuned transformer (`transformer/`, diffusers format).
 {% endif %}{% if settings %}
 **Sample it as it was evaluated: {{ settings_text }}** (`{{ settings_file }}`). The scores below were
-measured there. At other settings, the pipeline's own defaults included, it was not evaluated and
+measured there. {% if defaults_text %}{{ defaults_text }} At other settings it was not evaluated:
+check one with `eval_genrl.py` before relying on it.{% else %}At other settings, the pipeline's own defaults included, it was not evaluated and
 can score below its base model (a model trained unguided need not stay good under guidance):
-check a setting with `eval_genrl.py` before relying on it.{% if ode_note %} {{ ode_note }}{% endif %}
+check a setting with `eval_genrl.py` before relying on it.{% endif %}{% if ode_note %} {{ ode_note }}{% endif %}
 {% endif %}
 ## How to use
 
@@ -138,9 +140,10 @@ def _before_after_rows(before: dict | None, after: dict | None) -> list[tuple[st
     return rows
 
 
-def first_and_last_eval(metrics_jsonl_path: str) -> list[tuple[int, dict]]:
+def first_and_last_eval(metrics_jsonl_path: str, prefix: str = "eval/") -> list[tuple[int, dict]]:
     """``[(step, {"eval/<name>_mean": m, ...})]`` of the first and the last evaluation logged
-    in the trainer's ``metrics.jsonl`` (one entry when there was one; none without)."""
+    in the trainer's ``metrics.jsonl`` (one entry when there was one; none without); ``prefix``:
+    the values kept (``eval_pipeline_defaults/``: the evaluations at the pipeline's defaults)."""
     evals = []
     if os.path.isfile(metrics_jsonl_path):
         with open(metrics_jsonl_path, encoding="utf-8") as f:
@@ -149,7 +152,7 @@ def first_and_last_eval(metrics_jsonl_path: str) -> list[tuple[int, dict]]:
                     record = json.loads(line)
                 except json.JSONDecodeError:
                     continue  # a run killed mid-write leaves a truncated line
-                values = {k: v for k, v in record.items() if k.startswith("eval/")}
+                values = {k: v for k, v in record.items() if k.startswith(prefix)}
                 if values:
                     evals.append((int(record.get("step", 0)), values))
     return evals[:1] + evals[1:][-1:]
@@ -197,6 +200,36 @@ def _settings_text(settings: dict) -> str:
     if "num_frames" in settings:
         text += f", {settings['num_frames']} frames"
     return text
+
+
+def headline_score(values: dict | None, prefix: str = "eval") -> tuple[str, float] | None:
+    """``(reward, mean)`` an evaluation's ``values`` lead with: the total of the weighted
+    rewards, or the reward it repeats (``drop_repeated_total``), else the first logged."""
+    means = reward_means(values or {}, prefix)
+    if not means:
+        return None
+    name = "total" if "total" in means else next(iter(means))
+    return name, means[name]
+
+
+def pipeline_defaults_sentence(base: dict | None, trained: dict | None) -> str:
+    """What the model scores sampled as ``pipe(prompt)`` samples (the pipeline's own default
+    steps and guidance), beside its base there: ``base`` and ``trained`` are the
+    ``eval_pipeline_defaults/*`` values of the evaluations before training and at the end
+    (``--eval_pipeline_defaults``); empty without the trained one."""
+    score = headline_score(trained, PIPELINE_DEFAULTS)
+    if score is None:
+        return ""
+    name, value = score
+    settings = {k: trained[f"{PIPELINE_DEFAULTS}/{k}"] for k in SETTING_KEYS}
+    text = f"At the pipeline's defaults (`pipe(prompt)`: {defaults_text(settings)}) it scores {value:.4f} on `{name}`"
+    before = headline_score(base, PIPELINE_DEFAULTS)
+    if before is None or before[0] != name:
+        return text + "."
+    text += f", its base model {before[1]:.4f}"
+    if value < before[1]:
+        text += ": there it is worse than the model it came from, so sample it with the settings above"
+    return text + "."
 
 
 def diversity_sentence(before: dict | None, after: dict | None, alarm_fraction: float | None) -> str:
@@ -254,6 +287,7 @@ def write_model_card(
     watch_alarms: Sequence[tuple[int, str]] | None = None,
     settings: dict | None = None,
     diversity_text: str = "",
+    defaults_text: str = "",
 ) -> str:
     """Write ``export_dir/README.md`` and return its path; with ``settings``
     (:func:`sampling_settings`) also ``export_dir/sampling_config.json``.
@@ -287,6 +321,8 @@ def write_model_card(
             states them first, its snippet samples with them, and they are written to
             ``sampling_config.json``.
         diversity_text: :func:`diversity_sentence`, shown in the watch's section.
+        defaults_text: :func:`pipeline_defaults_sentence`, stated with ``settings`` (without
+            it the card says the pipeline's defaults were not evaluated).
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
@@ -335,6 +371,7 @@ def write_model_card(
         output_attr="frames" if pipeline_tag == "text-to-video" else "images",
         example_prompt="a photo of a cat" if pipeline_tag != "text-to-video" else "a cat walking in the snow",
         diversity_text=diversity_text,
+        defaults_text=defaults_text,
         # a "|" would end a markdown table cell
         hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in _used_hyperparameters(hyperparameters).items()),
     )
@@ -358,9 +395,11 @@ def write_run_card(
     """The card of a training run's final export: base model, rewards, family, settings and
     launch command from ``run_config`` (what ``genrl_config.json`` records), and the held-out
     score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
-    ``eval/*`` values of the last evaluation, when the log holds none), and the reward watch's
-    ``watch_alarms``. Returns its path."""
+    ``eval/*`` values of the last evaluation, when the log holds none), with the base's and the
+    final score at the pipeline's defaults where it logged them (``--eval_pipeline_defaults``),
+    and the reward watch's ``watch_alarms``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
+    defaults = first_and_last_eval(metrics_path, PIPELINE_DEFAULTS + "/")
     args = run_config["args"]
     return write_model_card(
         export_dir,
@@ -380,4 +419,7 @@ def write_run_card(
         settings=sampling_settings(args, is_video),
         diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
         if len(evals) > 1 else "",
+        # Before training (step 0) and at the end: the base's and the export's figures.
+        defaults_text=pipeline_defaults_sentence(next((v for step, v in defaults[:1] if step == 0), None),
+                                                 next((v for step, v in defaults[-1:] if step > 0), None)),
     )

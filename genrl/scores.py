@@ -19,6 +19,14 @@ def drop_repeated_total(scores: Mapping[str, T], same: Callable[[T, T], bool] = 
     return out
 
 
+def reward_means(values: Mapping[str, float], prefix: str) -> dict[str, float]:
+    """``{name: mean}`` of the ``<prefix>/<name>_mean`` keys, without "total" when it repeats the
+    one reward it sums (it then carries no news)."""
+    return drop_repeated_total(
+        {k[len(prefix) + 1 : -len("_mean")]: v for k, v in values.items() if k.startswith(prefix + "/") and k.endswith("_mean")}
+    )
+
+
 def format_score(value: float | None, spec: str = ".4g", missing: str = "n/a") -> str:
     """A score as text: ``format(value, spec)``, or ``missing`` when there is none."""
     return missing if value is None else format(value, spec)

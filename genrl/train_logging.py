@@ -26,6 +26,7 @@ from genrl.errors import SetupError
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
 from genrl.evaluation import EvalResult, evaluate, spread_indices
 from genrl.nft import velocity_kl
+from genrl.pipeline_defaults import LOG_PREFIX as PIPELINE_DEFAULTS, SETTING_KEYS, settings_text
 from genrl.policies.base import FlowPolicy
 from genrl.reward_watch import RewardWatch, group_diversity
 from genrl.rollout import SamplingConfig, sample_rollout
@@ -92,7 +93,9 @@ class EvalPlan:
     ``samples_per_prompt`` noise draws of each prompt (``--eval_samples_per_prompt``);
     ``keep_samples`` samples go to the grid, MP4s at ``video_fps``. The reward watch's probe:
     ``probe_prompts`` prompts spread over the set (0: none), ``probe_samples`` samples each
-    (``--eval_diversity_prompts``, ``--eval_diversity_samples``)."""
+    (``--eval_diversity_prompts``, ``--eval_diversity_samples``). ``pipeline_defaults``: ``config``
+    at the pipeline's own default steps and guidance (``genrl.pipeline_defaults``), where the
+    evaluations asked for it score too (``--eval_pipeline_defaults``); None: nowhere else."""
 
     prompts: PromptSet
     reward_fn: Callable
@@ -105,6 +108,19 @@ class EvalPlan:
     probe_prompts: int = 0
     probe_samples: int = 4
     samples_per_prompt: int = 1
+    pipeline_defaults: SamplingConfig | None = None
+
+
+def evaluate_plan(plan: EvalPlan, policy: FlowPolicy, model: torch.nn.Module, device, *, accelerator=None,
+                  config: SamplingConfig | None = None, keep_samples: int | None = None) -> EvalResult:
+    """``evaluate`` on the plan's prompts, reward, noise and batches, sampled as ``config`` says
+    (default: the plan's own), keeping ``keep_samples`` samples (default: the plan's)."""
+    return evaluate(
+        policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
+        max_batches=plan.max_batches, config=config or plan.config, device=device, accelerator=accelerator,
+        metadata=plan.prompts.metadata, keep_samples=plan.keep_samples if keep_samples is None else keep_samples,
+        show_progress=False, samples_per_prompt=plan.samples_per_prompt,
+    )
 
 
 @torch.no_grad()
@@ -152,32 +168,44 @@ def evaluate_and_log(
     epoch: int,
     launch_time: float,
     reference: Callable[[], ContextManager] | None = None,
+    at_pipeline_defaults: bool = False,
 ) -> dict[str, float]:
     """Bounded deterministic evaluation (the EMA weights when kept) at optimizer step ``step``:
     ``eval/<reward>_mean`` and ``_std``, the watch probe's ``eval/diversity`` (and with a
     ``reference`` ``eval/velocity_kl``, see ``watch_probe``), and ``time/elapsed_s``, counted
     from ``launch_time``, logged and returned; the sample grid written, one line printed above
-    the progress bar. No plan (no evaluation prompts): nothing, ``{}``."""
+    the progress bar. ``at_pipeline_defaults`` with a plan that has them: the same prompts and
+    noise also sampled at the pipeline's default steps and guidance, ``eval_pipeline_defaults/*``
+    (``pipeline_defaults_values``), one more line. No plan (no evaluation prompts): nothing, ``{}``."""
     if plan is None:
         return {}
     model.eval()
+    at_defaults = at_pipeline_defaults and plan.pipeline_defaults is not None
     with ema.swapped_in() if ema is not None else nullcontext():
-        result = evaluate(
-            policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
-            max_batches=plan.max_batches, config=plan.config, device=accelerator.device, accelerator=accelerator,
-            metadata=plan.prompts.metadata, keep_samples=plan.keep_samples, show_progress=False,
-            samples_per_prompt=plan.samples_per_prompt,
-        )
+        result = evaluate_plan(plan, policy, model, accelerator.device, accelerator=accelerator)
         probe = watch_probe(plan, policy, model, accelerator.device, reference)
+        defaults = evaluate_plan(plan, policy, model, accelerator.device, accelerator=accelerator,
+                                 config=plan.pipeline_defaults, keep_samples=0) if at_defaults else None
     values = result.log_dict("eval")
     values.update(probe)
+    if defaults is not None:
+        values.update(pipeline_defaults_values(defaults))
     values["time/elapsed_s"] = time.perf_counter() - launch_time
     log_metrics(accelerator, metrics_path, values, step=step, epoch=epoch)
     if accelerator.is_main_process and result.samples is not None:
         log_eval_samples(accelerator, result, output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
     if accelerator.is_main_process:
         tqdm.write(eval_line(step, values))  # above the progress bar, which stays at the bottom
+        if defaults is not None:
+            where = f"at the pipeline's defaults ({settings_text(defaults.settings)})"
+            tqdm.write(eval_line(step, values, prefix=PIPELINE_DEFAULTS, where=where))
     return values
+
+
+def pipeline_defaults_values(result: EvalResult) -> dict[str, float]:
+    """An evaluation at the pipeline's defaults as log values: ``eval_pipeline_defaults/<reward>_mean``
+    and ``_std``, and the steps and guidance it sampled with (what the model card states)."""
+    return {**result.log_dict(PIPELINE_DEFAULTS), **{f"{PIPELINE_DEFAULTS}/{k}": result.settings[k] for k in SETTING_KEYS}}
 
 
 class RewardHackingStop(SetupError):

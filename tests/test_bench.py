@@ -221,18 +221,66 @@ def test_learning_bench_runs_every_objective_and_both_ceilings(runs):
         assert row["final_noise_mean"] == pytest.approx(sum(curve["noise_scores"]) / 2, abs=1e-4)  # printed to 4 decimals
         assert row["noise_sd"] >= 0 and row["final_noise_spread"] == 0
     ceilings = {f["ceiling"]: f for f in figures if "ceiling" in f}
-    assert set(ceilings) == {"best_of_2", "supervised"}
+    assert set(ceilings) == {"best_of_2", "supervised", "supervised_at_budget"}
     assert ceilings["best_of_2"]["score"] >= ceilings["best_of_2"]["single_sample"]
-    # The supervised fine-tune is scored during training (step 1) and at its end (step 2); the ceiling is the best.
+    # The supervised fine-tune is scored during training (step 1) and at its end (step 2) at the
+    # runs' guidance; the ceiling is the best of the guidance sweep of its final weights.
     supervised = ceilings["supervised"]
-    assert [step for step, _ in supervised["curve"]] == [1, 2]
-    assert supervised["score"] == max(score for _, score in supervised["curve"])
-    assert supervised["final_noise_mean"] is not None and 0 <= supervised["final_noise_mean"] <= 1
-    assert [supervised["steps"], supervised["score"]] in supervised["curve"]
+    assert [step for step, _ in supervised["curve"]] == [1, 2] and supervised["steps"] == 2
+    assert supervised["curve_best"] == max(score for _, score in supervised["curve"])
     for threshold in (0.6, 0.8):
         assert supervised[f"steps_to_{threshold}"] == next((s for s, v in supervised["curve"] if v >= threshold), None)
+    # The quick runs: 2 epochs of 4 samples; the supervised run at that budget sees 8 scenes, one step of 8.
+    at_budget = ceilings["supervised_at_budget"]
+    assert at_budget["rl_samples"] == 8 and (at_budget["steps"], at_budget["images"]) == (1, 8)
+    assert [step for step, _ in at_budget["curve"]] == [1]
+    for ceiling in (supervised, at_budget):
+        assert_sweep(ceiling, trained_cfg=1.0)  # the no-argument run's evaluation, CFG-free
+        assert (ceiling["score"], ceiling["cfg"], ceiling["strict"]) == (ceiling["best"], ceiling["best_cfg"],
+                                                                         ceiling["best_strict"])
+        assert ceiling["final_noise_mean"] == ceiling["trained"]
+    # Every model where a user samples it: the base once, each run's final weights.
+    swept = {f["model"]: f for f in figures if "sweep" in f and "model" in f}
+    assert set(swept) == {"base", "grpo-seed0", "nft-seed0", "awm-seed0"}
+    for record in swept.values():
+        assert_sweep(record, trained_cfg=4.5)  # the quick runs train and evaluate at the default guidance
+        assert record["sample_steps"] == 3
+    for objective in ("grpo", "nft", "awm"):
+        # In-process at the trained settings over two noises = eval_genrl.py's two draws of the same export.
+        assert swept[f"{objective}-seed0"]["trained"] == pytest.approx(summaries[objective]["final_noise_mean"], abs=1e-3)
+    # The summary leads with the base at its best guidance -> the trained model, strict beside the mean.
+    headlines = {f["headline"]: f for f in figures if "headline" in f}
+    assert set(headlines) == {"grpo", "nft", "awm"}
+    base = swept["base"]
+    for objective, row in headlines.items():
+        run = swept[f"{objective}-seed0"]
+        assert (row["base_best_cfg"], row["base_best"], row["base_best_strict"]) == (base["best_cfg"], base["best"],
+                                                                                   base["best_strict"])
+        assert (row["trained_cfg"], row["trained"], row["trained_strict"]) == (4.5, run["trained"], run["trained_strict"])
+        assert (row["base_defaults"], row["trained_defaults"]) == (base["defaults"], run["defaults"])
+        assert row["defaults"] == "28 steps, CFG 7"
+        assert (row["supervised"], row["supervised_cfg"]) == (supervised["score"], supervised["cfg"])
+        assert (row["supervised_budget"], row["supervised_budget_steps"]) == (at_budget["score"], 1)
+    text = [line for line in (runs[1] / "learning.out").read_text().splitlines() if not line.startswith("{")]
+    lead = next(i for i, line in enumerate(text) if line.startswith("Base at its best guidance -> trained"))
+    assert text[lead + 1].startswith("  grpo: base at its best (CFG ")
+    tables = [i for i, line in enumerate(text) if line.startswith(("Held-out", "Ceilings", "Each model"))]
+    assert len(tables) == 3 and min(tables) > lead
     plot = next(f["plot"] for f in figures if "plot" in f)
     assert os.path.getsize(plot) > 0
+
+
+def assert_sweep(record: dict, trained_cfg: float) -> None:
+    """A model's guided sweep: the quick sweep's guidance scales, its trained row among them, its
+    best the row of the highest mean, and the SD3 pipeline's own defaults (28 steps at CFG 7)."""
+    rows = record["sweep"]
+    assert [g for g, _, _ in rows] == [1.0, 4.5], rows
+    assert all(0 <= mean <= 1 and 0 <= strict <= mean for _, mean, strict in rows)
+    assert record["best"] == max(mean for _, mean, _ in rows)
+    assert [record["best_cfg"], record["best"], record["best_strict"]] in rows
+    assert record["trained_cfg"] == trained_cfg and [trained_cfg, record["trained"], record["trained_strict"]] in rows
+    assert (record["defaults_steps"], record["defaults_cfg"]) == (28, 7.0)
+    assert 0 <= record["defaults_strict"] <= record["defaults"] <= 1
 
 
 @pytest.mark.parametrize("batch, latent_shape, text_len", [(1, (16, 2, 4, 6), 5), (3, (16, 3, 6, 4), 11)])
@@ -298,6 +346,67 @@ def test_learning_summary_counts_seeds_to_a_threshold_and_averages_steps_only_wh
     partial = bench_learning.summarize("grpo", [fast, never])
     assert partial["steps_to_0.6"] is None and partial["seeds_to_0.6"] == 1
     assert partial["final_minus_best_earlier"] == pytest.approx(0.09)
+
+
+def test_learning_headline_compares_the_trained_model_with_the_base_at_its_best_guidance():
+    # The shipped base scores 0.33 unguided and 0.67 at CFG 7.5; a trained model at 0.79 unguided
+    # that falls under guidance. The headline must set the trained score against the base's best
+    # (not its unguided score), and the trained model's best guidance must be that of the seeds'
+    # mean sweep, not a mean of each seed's own best.
+    import bench_learning
+
+    def sweep(rows, defaults):
+        trained = next(r for r in rows if r[0] == 1.0)
+        return {"sample_steps": 10, **bench_learning.sweep_summary(rows, trained), "defaults_steps": 28,
+                "defaults_cfg": 7.0, "defaults": defaults, "defaults_strict": defaults / 4}
+
+    base = sweep([[1.0, 0.334, 0.05], [2.0, 0.439, 0.1], [4.5, 0.614, 0.2], [7.5, 0.669, 0.3]], 0.681)
+    assert [base["best_cfg"], base["best"], base["best_strict"]] == [7.5, 0.669, 0.3]
+    assert [base["trained_cfg"], base["trained"]] == [1.0, 0.334]
+    seed0 = sweep([[1.0, 0.80, 0.6], [2.0, 0.81, 0.55], [4.5, 0.65, 0.3], [7.5, 0.55, 0.2]], 0.60)
+    seed1 = sweep([[1.0, 0.78, 0.5], [2.0, 0.70, 0.4], [4.5, 0.65, 0.3], [7.5, 0.58, 0.2]], 0.62)
+    assert seed0["best_cfg"] == 2.0 and seed1["best_cfg"] == 1.0
+    trained = bench_learning.mean_sweep([seed0, seed1])
+    assert trained["best_cfg"] == 1.0 and trained["best"] == pytest.approx(0.79)  # 0.79 at CFG 1 beats 0.755 at 2
+    assert trained["trained"] == pytest.approx(0.79) and trained["trained_strict"] == pytest.approx(0.55)
+    assert trained["defaults"] == pytest.approx(0.61)
+    supervised = {"score": 0.851, "cfg": 4.5, "strict": 0.6, "steps": 1600}
+    at_budget = {"score": 0.823, "cfg": 2.0, "strict": 0.5, "steps": 400}
+    row = bench_learning.headline("nft", base, trained, supervised, at_budget)
+    assert (row["base_best_cfg"], row["base_best"], row["base_best_strict"]) == (7.5, 0.669, 0.3)
+    assert row["gain"] == pytest.approx(0.79 - 0.669)
+    assert (row["base_defaults"], row["trained_defaults"]) == (0.681, pytest.approx(0.61))
+    assert row["defaults"] == "28 steps, CFG 7"
+    assert (row["supervised"], row["supervised_cfg"], row["supervised_budget"], row["supervised_budget_steps"]) == (
+        0.851, 4.5, 0.823, 400)
+    line = bench_learning.headline_line(row)
+    assert line.startswith("nft: base at its best (CFG 7.5) 0.669 (strict 0.300) -> trained 0.790 (strict 0.550) at CFG 1")
+    # Equal means: the lower guidance (the cheaper sampling) is the best.
+    assert bench_learning.best_guidance([[4.5, 0.7, 0.1], [1.0, 0.7, 0.2]]) == [1.0, 0.7, 0.2]
+
+
+def test_learning_supervised_run_at_the_rl_budget_sees_as_many_images_as_the_rl_run_sampled(tmp_path):
+    # The default run: 100 epochs of 16 prompts x 16 samples = 25600 images, two optimizer steps an
+    # epoch; at 64 scenes a step, supervision sees as many in 400 steps (not 200: one per RL step).
+    import argparse
+
+    import bench_learning
+    from genrl import train_args
+    from genrl.schedule import RunSchedule
+
+    records = []
+    for epoch in range(100):
+        records += [{"step": 2 * epoch + 1, "epoch": epoch, "time/train_s": 1.0},
+                    {"step": 2 * epoch + 2, "epoch": epoch, "eval/toy_geneval_mean": 0.5}]
+    run = argparse.Namespace(**vars(train_args.parse_args(["--output_dir", str(tmp_path)])))
+    per_epoch = RunSchedule.from_args(run, num_processes=1, num_prompts=1).samples_per_epoch_all_processes
+    assert per_epoch == 256
+    samples = bench_learning.samples_seen(records, per_epoch)
+    assert samples == 25600
+    assert bench_learning.budget_steps(samples, 64) == 400
+    assert bench_learning.budget_steps(8, 64) == 1 and bench_learning.budget_steps(65, 64) == 2  # never fewer images
+    # A run stopped after 3 epochs logged 3 epochs of samples, whatever it planned.
+    assert bench_learning.samples_seen(records[:6], per_epoch) == 768
 
 
 def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_path):

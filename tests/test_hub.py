@@ -258,3 +258,38 @@ def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversit
     assert "diversity stayed above the alarm's threshold" in card
     assert "went from 0.2500 to 0.1800, 72% of its start; the watch alarms below 50%" in card
     assert "samples held" not in card
+
+
+@pytest.mark.parametrize("before, after, sentence", [
+    # Trained unguided, worse than its base when sampled as pipe(prompt) samples.
+    (0.681, 0.602, "At the pipeline's defaults (`pipe(prompt)`: 28 steps, guidance 7) it scores 0.6020 on `toy_geneval`, "
+                   "its base model 0.6810: there it is worse than the model it came from, so sample it with the settings above."),
+    (0.5, 0.7, "At the pipeline's defaults (`pipe(prompt)`: 28 steps, guidance 7) it scores 0.7000 on `toy_geneval`, "
+               "its base model 0.5000."),
+    # A resumed run whose first evaluation was not at the pipeline's defaults: the export's figure alone.
+    (None, 0.602, "At the pipeline's defaults (`pipe(prompt)`: 28 steps, guidance 7) it scores 0.6020 on `toy_geneval`."),
+])
+def test_run_card_states_first_what_the_export_scores_at_the_pipeline_defaults(tmp_path, before, after, sentence):
+    from genrl.model_card import write_run_card
+
+    export = tmp_path / "export"
+    (export / "transformer").mkdir(parents=True)
+    settings = {"eval_pipeline_defaults/num_inference_steps": 28, "eval_pipeline_defaults/guidance_scale": 7.0}
+    lines = [{"step": 0, "eval/toy_geneval_mean": 0.33, "eval/total_mean": 0.33},
+             {"step": 100, "eval/toy_geneval_mean": 0.7, "eval/total_mean": 0.7},
+             {"step": 200, "eval/toy_geneval_mean": 0.78, "eval/total_mean": 0.78,
+              "eval_pipeline_defaults/toy_geneval_mean": after, "eval_pipeline_defaults/total_mean": after,
+              "eval_pipeline_defaults/toy_geneval_strict_mean": 0.1, **settings}]
+    if before is not None:
+        lines[0].update({"eval_pipeline_defaults/toy_geneval_mean": before, "eval_pipeline_defaults/total_mean": before,
+                         **settings})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
+    args = {"num_inference_steps": 10, "guidance_scale": 1.0}
+    config = {"base_model": "tiny/sd3", "reward_fn": "toy_geneval", "args": args, "launch_command": "x", "family": "sd3"}
+    card = ModelCard.load(write_run_card(str(export), str(tmp_path / "metrics.jsonl"), config, objective="nft",
+                                         is_video=False, last_eval={}, sample_images=[])).text
+    first_lines = card.split("## How to use")[0]
+    assert "Sample it as it was evaluated: 10 steps at guidance 1**" in first_lines
+    assert " ".join(first_lines.split()).count(sentence) == 1, first_lines
+    assert "it was not evaluated and" not in first_lines  # the unmeasured wording gives way to the figure
+    assert "| toy_geneval | 0.3300 | 0.7800 | +0.4500 |" in card  # the table stays the trained settings'

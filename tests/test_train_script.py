@@ -312,14 +312,28 @@ def test_every_flag_has_help_and_the_help_is_grouped_by_section(capsys):
         assert {f.name for f in fields(section)} <= groups[section._argument_group_name], section
 
 
-def test_the_console_shows_one_bar_and_one_line_per_evaluation(tiny_sd3, prompt_file, tmp_path):
-    """About 20 lines for a run with 3 evaluations: no per-epoch bars, no known-noise warnings."""
-    proc = run_train(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), "--eval_prompt_dataset", prompt_file,
-                               "--eval_steps", "2", "--eval_max_batches", "1", "--eval_batch_size", "4"))
+def test_the_console_shows_one_line_per_evaluation_and_the_card_the_score_at_the_pipeline_defaults(
+        tiny_sd3, prompt_file, tmp_path):
+    """About 20 lines for a run with 3 evaluations: no per-epoch bars, no known-noise warnings.
+    With --eval_pipeline_defaults the first and the last evaluation also sample as pipe(prompt)
+    does (the SD3 pipeline's 28 steps at guidance 7), one line each, and the card states both."""
+    out = str(tmp_path / "out")
+    proc = run_train(base_args(tiny_sd3, prompt_file, out, "--eval_prompt_dataset", prompt_file, "--eval_steps", "2",
+                               "--eval_max_batches", "1", "--eval_batch_size", "4", "--eval_pipeline_defaults"))
     assert proc.returncode == 0, proc.stderr.decode()[-4000:]
     output = (proc.stdout + proc.stderr).decode(errors="replace")
-    assert output.count("\n") < 23, output  # the 9-line "Running training" block at start included
-    assert len([l for l in output.splitlines() if "eval at step" in l]) == 3  # before training, steps 2 and 4
+    assert output.count("\n") < 25, output  # the 9-line "Running training" block at start included
+    evals = [l for l in output.splitlines() if "eval at step" in l]
+    assert len(evals) == 5, evals  # before training, steps 2 and 4; at the pipeline's defaults before and at 4
+    assert [l.split()[3] for l in evals if "at the pipeline's defaults (28 steps, guidance 7):" in l] == ["0", "4"]
+    key = "eval_pipeline_defaults/jpeg_compressibility_mean"
+    records = [r for r in metrics(out) if key in r]
+    assert [(r["step"], r["eval_pipeline_defaults/num_inference_steps"], r["eval_pipeline_defaults/guidance_scale"])
+            for r in records] == [(0, 28, 7.0), (4, 28, 7.0)]
+    assert records[0][key] != records[0]["eval/jpeg_compressibility_mean"]  # sampled otherwise than the run's 4 steps
+    first_lines = " ".join(open(os.path.join(out, "README.md")).read().split("## How to use")[0].split())
+    assert (f"At the pipeline's defaults (`pipe(prompt)`: 28 steps, guidance 7) it scores {records[1][key]:.4f} on "
+            f"`jpeg_compressibility`, its base model {records[0][key]:.4f}") in first_lines, first_lines
     final_bar = output.rsplit("\r", 1)[-1] if "\r" in output else output
     assert "training: 100%" in output and "4/4" in output and "reward jpeg_compressibility" in output, final_bar
     for noise in ("epoch 0 rollout", "epoch 0 update", "requires torchvision", "float32: []", "Setting accelerator to CPU",

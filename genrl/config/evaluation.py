@@ -28,6 +28,13 @@ class EvaluationArguments:
         default=8, help="Evaluation samples shown in the logged grid, evenly spaced over the evaluated prompts."
     )
     eval_video_fps: float = HfArg(default=16.0, help="Frame rate of the evaluation MP4s (video models).")
+    eval_pipeline_defaults: bool = HfArg(
+        default=False,
+        help="Also score the base (the first evaluation) and the final weights (the last) sampled as pipe(prompt) samples: "
+        "the pipeline's own default steps and guidance (SD3: 28 steps, CFG 7), same prompts and noise; the model card "
+        "states both. Each costs its steps (x 2 under CFG) over the evaluation's: 5.6 evaluations on the toy run "
+        "(28 steps at CFG 7 against 10 unguided).",
+    )
 
     def check(self) -> None:
         if self.eval_samples_per_prompt < 1:
