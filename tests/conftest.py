@@ -214,11 +214,23 @@ SLOW_MODULES = {"test_train_distributed", "test_train_objectives", "test_train_s
 SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
 
 
+# The extended lane (`pytest -m extended`; CI runs it after the default lane): the slow tests of
+# these modules and these slow tests. Each repeats, on another model family, server or launcher, a
+# path the default lane already runs end to end: the benchmarks' quick runs, the README's runnable
+# commands, the reward service and the VLM judge's server, two "nodes", the two-expert Wan, a run
+# that hacks its reward.
+EXTENDED_MODULES = {"test_bench", "test_readme", "test_reward_service", "test_vlm_judge", "test_multi_node",
+                    "test_wan_experts"}
+EXTENDED_TESTS = {"test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving"}
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1]
         if module in SLOW_MODULES or SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+        if item.get_closest_marker("slow") and (module in EXTENDED_MODULES or item.originalname in EXTENDED_TESTS):
+            item.add_marker(pytest.mark.extended)
 
 
 def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":

@@ -165,7 +165,10 @@ def test_the_readme_keeps_the_commands_ci_runs():
     text = open(README, encoding="utf-8").read()
     blocks = "\n".join(body for _, body in bash_blocks(text))
     assert "pip install -r requirements.txt && accelerate launch train_genrl.py" in blocks
-    assert re.search(r"^## Tests\n(.|\n)*?```bash\npython -m pytest -q\n```", text, re.M), "the Tests section's command"
+    assert re.search(r"^## Tests\n(.|\n)*?```bash\npython -m pytest -q\npython -m pytest -q -m extended\n```", text, re.M), \
+        "the Tests section's commands"
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
+    assert "python3 -m pytest -q" in ci and "python3 -m pytest -q -m extended" in ci, "CI runs both lanes as written"
     scripts = {c.script for c in COMMANDS}
     assert scripts == set(SCRIPTS) and len(COMMANDS) >= 10
 
