@@ -67,6 +67,9 @@ def parse_args(input_args=None):
                         help="Prompt file (.txt one per line, .jsonl/.csv with a prompt column) or dataset; default: the "
                         "export's own evaluation prompts, else the toy test prompts of the embedded default run.")
     parser.add_argument("--prompt_column", type=str, default="prompt")
+    parser.add_argument("--image_column", type=str, default=None,
+                        help="Column of each prompt's conditioning image (image-to-video models); default: the export's "
+                        "own, else 'image'.")
     parser.add_argument("--reward_fn", type=str, default=None,
                         help=f"Reward spec 'name:weight,...'; default: the one the export was trained with, else {DEFAULT_REWARD!r}.")
     parser.add_argument("--max_batches", type=int, default=None,
@@ -111,7 +114,7 @@ def parse_args(input_args=None):
     trained = trained_settings(args.model) or trained_settings(args.compare)
     fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
                 "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler", "samples_per_prompt": 1,
-                "max_sequence_length": None}  # None: each pipeline's own
+                "max_sequence_length": None, "image_column": "image"}  # None: each pipeline's own
     for key, value in fallback.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, value))
@@ -153,15 +156,18 @@ def _lora_file(path: str, use_ema: bool) -> str | None:
 
 
 def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch.dtype,
-               max_sequence_length: int | None = None) -> FlowPolicy:
-    """Any model ``--model`` accepts -> a FlowPolicy with its trained weights in the transformer."""
+               max_sequence_length: int | None = None, image_conditioned: bool | None = None) -> FlowPolicy:
+    """Any model ``--model`` accepts -> a FlowPolicy with its trained weights in the transformer;
+    ``image_conditioned``: whether the prompts come with images (``load_policy``)."""
     lora = _lora_file(path, use_ema)
     with zero_init_disabled():
         if lora is None:
-            return load_trained_policy(path, use_ema=use_ema, dtype=dtype, max_sequence_length=max_sequence_length)
+            return load_trained_policy(path, use_ema=use_ema, dtype=dtype, max_sequence_length=max_sequence_length,
+                                       image_conditioned=image_conditioned)
         if base_model is None:
             raise ValueError(f"{path!r} is a bare LoRA adapter; give its base pipeline with --base_model.")
-        policy = load_policy(base_model, dtype=dtype, max_sequence_length=max_sequence_length)
+        policy = load_policy(base_model, dtype=dtype, max_sequence_length=max_sequence_length,
+                             image_conditioned=image_conditioned)
         policy.pipeline.load_lora_weights(os.path.dirname(os.path.abspath(lora)), weight_name=os.path.basename(lora))
         policy.pipeline.fuse_lora()
         policy.pipeline.unload_lora_weights()
@@ -189,14 +195,15 @@ def trained_settings(path: str | None) -> dict:
         "samples_per_prompt": trained.get("eval_samples_per_prompt"),
         "ode_solver": trained.get("ode_solver"),
         "max_sequence_length": trained.get("max_sequence_length"),
+        "image_column": trained.get("image_column"),
     }
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config):
+def evaluate_model(path, args, accelerator, prompt_set, reward_fn, config):
     dtype = WEIGHT_DTYPES[args.mixed_precision]
     policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype,
-                        max_sequence_length=args.max_sequence_length)
+                        max_sequence_length=args.max_sequence_length, image_conditioned=prompt_set.images is not None)
     policy.to(accelerator.device)  # text encoders and VAE were loaded in dtype
     policy.transformer.to(accelerator.device)
     if dtype != torch.float32:
@@ -208,7 +215,7 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
     result = evaluate(
         policy,
         policy.transformer,
-        prompts,
+        prompt_set.prompts,
         reward_fn,
         seed=args.seed,
         batch_size=args.batch_size,
@@ -216,9 +223,10 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
         config=config,
         device=accelerator.device,
         accelerator=accelerator,
-        metadata=metadata,
+        metadata=prompt_set.metadata,
         keep_samples=None if args.save_samples == -1 else args.save_samples,
         samples_per_prompt=args.samples_per_prompt,
+        images=prompt_set.images,
     )
     result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
     del policy
@@ -247,7 +255,7 @@ def main(args, held: ExitStack | None = None):
     """The evaluation; ``held`` keeps the output folder's lock until the caller closes it, else
     until the process ends."""
     try:  # first: a missing or malformed prompt file fails before any model loads
-        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column)
+        prompt_set = load_prompts(args.prompts, prompt_column=args.prompt_column, image_column=args.image_column)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(said_once(f"eval_genrl.py: error: {e}") or 1)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
@@ -261,7 +269,6 @@ def main(args, held: ExitStack | None = None):
 
     if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
         probe_attention_backend(args.attention_backend, accelerator.device, WEIGHT_DTYPES[args.mixed_precision])
-    prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn
     with zero_init_disabled():
         # NaN marks a score that does not apply to a sample (e.g. a position check on a counting
@@ -279,16 +286,16 @@ def main(args, held: ExitStack | None = None):
         decode_batch_size=args.vae_decode_batch_size,
     )
     logger.info(
-        f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "
+        f"Evaluating {args.model} on {len(prompt_set)} prompts (at most {args.max_batches or 'all'} batches of "
         f"{args.batch_size}, {args.samples_per_prompt} sample(s) each) with reward {spec!r}, seed {args.seed}, "
         f"{accelerator.num_processes} process(es).",
         main_process_only=True,
     )
 
-    result_a = evaluate_model(args.model, args, accelerator, prompts, metadata, reward_fn, config)
+    result_a = evaluate_model(args.model, args, accelerator, prompt_set, reward_fn, config)
     result_b = None
     if args.compare:
-        result_b = evaluate_model(args.compare, args, accelerator, prompts, metadata, reward_fn, config)
+        result_b = evaluate_model(args.compare, args, accelerator, prompt_set, reward_fn, config)
 
     if accelerator.is_main_process:
         if result_b is None:

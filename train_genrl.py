@@ -39,7 +39,7 @@ from genrl.checkpointing import (
     checkpoint_dirs, export_model, load_checkpoint, prepare_output_dir, read_state, run_identity, run_record, save_checkpoint,
     prune_checkpoints, set_aside_checkpoint, trim_metrics,
 )
-from genrl.data import load_prompts
+from genrl.data import check_conditioning, load_prompts
 from genrl.distributed import (
     build_accelerator, configure_deepspeed, cpu_threads_per_process, describe_timeout, end_processes, peak_memory_gb,
     describe_weight_dtypes, settle_zero3_params, size_zero3_buckets, weight_dtypes, zero_init_disabled,
@@ -83,10 +83,13 @@ def main(args, held: ExitStack | None = None):
 
     # ---- Data (first: an empty or missing prompt set fails before any model loads) ---------------
     try:
-        train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column)
+        train_set = load_prompts(args.prompt_dataset, split=args.train_split, prompt_column=args.prompt_column,
+                                 image_column=args.image_column)
         eval_set = None
         if args.eval_prompt_dataset:
-            eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column)
+            eval_set = load_prompts(args.eval_prompt_dataset, split=args.eval_split, prompt_column=args.prompt_column,
+                                    image_column=args.image_column)
+        check_conditioning(train_set, eval_set, args.image_column)
     except (ValueError, FileNotFoundError) as e:
         raise SystemExit(said_once(f"train_genrl.py: error: {e}") or 1)
 
@@ -159,7 +162,7 @@ def main(args, held: ExitStack | None = None):
             policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=weight_dtype,
                                  zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None,
                                  max_sequence_length=args.max_sequence_length, wan_expert=args.wan_expert,
-                                 guidance_scale_2=args.guidance_scale_2)
+                                 guidance_scale_2=args.guidance_scale_2, image_conditioned=train_set.images is not None)
         except SetupError as e:
             raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(device, weight_dtype)

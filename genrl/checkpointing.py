@@ -350,8 +350,12 @@ def _save_lora(accelerator, model: torch.nn.Module, policy: FlowPolicy, path: st
     state_dict = _trainable_state_dict(accelerator, model)
     if not accelerator.is_main_process:
         return
-    lora_layers = get_peft_model_state_dict(accelerator.unwrap_model(model), state_dict=state_dict)
-    type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name)
+    unwrapped = accelerator.unwrap_model(model)
+    lora_layers = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
+    # The adapter's config goes with it: without it load_lora_weights takes lora_alpha = rank, so an
+    # adapter trained at another --lora_alpha would load at the wrong scale (alpha / rank).
+    type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name,
+                                            transformer_lora_adapter_metadata=unwrapped.peft_config["default"].to_dict())
 
 
 def export_model(
@@ -513,13 +517,14 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
 
 
 def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype = torch.float32,
-                        max_sequence_length: int | None = None) -> FlowPolicy:
+                        max_sequence_length: int | None = None, image_conditioned: bool | None = None) -> FlowPolicy:
     """A policy from a base model (folder or Hub id), a genrl export, or a checkpoint folder.
 
     With ``use_ema`` the EMA weights are loaded; asking for them where there are none is a
     ``SetupError`` naming why (no such folder, a base model, a run without EMA).
     ``max_sequence_length``: T5/UMT5 tokens per prompt; None: the training run's, else the
-    pipeline's default.
+    pipeline's default. ``image_conditioned``: whether the prompts come with conditioning images
+    (``load_policy``; None: the pipeline's own class).
     """
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
@@ -529,7 +534,8 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         if use_ema:
             raise SetupError(f"{path!r} holds no {CONFIG_FILE}: it is a base model, not a genrl export or checkpoint, "
                              "so it has no EMA weights; leave out --use_ema.")
-        return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True)
+        return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
+                           image_conditioned=image_conditioned)
     with open(config_path) as f:
         config = json.load(f)
     if use_ema and not config.get("has_ema"):
@@ -539,7 +545,7 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         max_sequence_length = trained_args.get("max_sequence_length")
     experts = {k: trained_args[k] for k in ("wan_expert", "guidance_scale_2") if trained_args.get(k) is not None}
     policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
-                         **experts)
+                         image_conditioned=image_conditioned, **experts)
     suffix, component = "_ema" if use_ema else "", policy.trained_component
     if config["use_lora"]:
         into_second = {"load_into_transformer_2": True} if component == "transformer_2" else {}

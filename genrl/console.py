@@ -5,7 +5,8 @@ Only known noise is dropped, each by its logger and the text of its message, so 
 same loggers' other warnings still show:
 
 - transformers, without torchvision: "`CLIPImageProcessor` requires torchvision (not
-  installed); falling back to ...Pil" (the image processors are never used for training);
+  installed); falling back to ...Pil" (the PIL one is the processor a machine without
+  torchvision has; it prepares Wan 2.1 I2V's CLIP input);
 - diffusers: "There are modules in AutoencoderKL that should be kept in float32: []" (an
   empty list: there is nothing to keep in float32; a non-empty list still shows);
 - DeepSpeed on a machine without GPU: "Setting accelerator to CPU" (the CPU run is meant);
@@ -13,6 +14,8 @@ same loggers' other warnings still show:
   "`torch.distributed.all_gather_into_tensor` is deprecated" (and ``reduce_scatter_tensor``).
   It is DeepSpeed's call to change, not the user's, and a ZeRO-3 run printed it thousands of
   times: libraries that touch the warning filters reset Python's once-per-place memory.
+- peft, loading a Wan 2.1 I2V LoRA that does not adapt the image attention (``add_k_proj``,
+  ``add_v_proj``): diffusers adds zero LoRA layers for them, which its adapter config does not list.
 
 accelerate's "The following values were not passed to `accelerate launch`" comes from the
 launcher's process, before this script starts: ``--config_file accelerate_configs/single_gpu.yaml``
@@ -39,6 +42,8 @@ KNOWN_NOISE: dict[str, tuple[str, ...]] = {
 # (category, pattern matched at the start of the message) of Python warnings that are known noise
 KNOWN_WARNINGS: tuple[tuple[type[Warning], str], ...] = (
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    (RuntimeWarning, r"While injecting the PEFT adapters, an inconsistency was discovered between the PEFT config and the "
+                     r"provided state_dict\. .* additional target modules: \['blocks\.\d+\.attn2\.add_[kv]_proj'"),
 )
 
 

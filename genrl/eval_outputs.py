@@ -95,6 +95,17 @@ def save_image_grid(
     return path
 
 
+def grid_cells(result: EvalResult) -> torch.Tensor | np.ndarray:
+    """What a grid shows of ``result``'s kept samples: the samples, or for image-to-video each
+    sample's middle frame with its conditioning image to the left, 2 white pixels between them
+    (uint8 ``(N, 1, H, 2 W + 2, C)``)."""
+    if result.conditions is None:
+        return result.samples
+    frames = _grid_frames(result.samples, None)
+    gap = np.full((*frames.shape[:2], 2, frames.shape[3]), 255, dtype=np.uint8)
+    return np.concatenate([result.conditions.numpy(), gap, frames], axis=2)[:, None]
+
+
 def save_videos(samples: torch.Tensor | np.ndarray, directory: str, fps: float, names: Sequence[str] | None = None) -> list[str]:
     """One MP4 per sample (``directory/<name>.mp4``, names default to ``00000`` ...)."""
     videos = prepare_images_tensor(samples).cpu().numpy()
@@ -125,7 +136,7 @@ def compact_scores(scores: Mapping[str, float | None]) -> dict[str, float]:
 
 def save_eval_outputs(result: EvalResult, output_dir: str, *, fps: float = 16.0, nrow: int = 4) -> dict[str, Any]:
     """Write ``metrics.json`` (metrics, per-prompt scores, settings), ``samples.png`` (the kept
-    samples, captioned with prompt and total score) and, for videos, ``videos/<index>.mp4``.
+    samples, beside their conditioning images for image-to-video, captioned with prompt and total score) and, for videos, ``videos/<index>.mp4``.
     Main process only. Returns the paths written."""
     os.makedirs(output_dir, exist_ok=True)
     paths: dict[str, Any] = {"metrics": os.path.join(output_dir, "metrics.json")}
@@ -136,7 +147,7 @@ def save_eval_outputs(result: EvalResult, output_dir: str, *, fps: float = 16.0,
         kept = result.sample_rows()
         captions = [f"{r['prompt']}\n{score_caption({'total': r['scores']['total']}) if 'total' in r['scores'] else ''}"
                     for r in kept]
-        paths["grid"] = save_image_grid(result.samples, os.path.join(output_dir, "samples.png"), nrow=nrow, captions=captions)
+        paths["grid"] = save_image_grid(grid_cells(result), os.path.join(output_dir, "samples.png"), nrow=nrow, captions=captions)
         if result.samples.shape[1] > 1:
             names = [f"{r['index']:05d}" for r in kept]
             paths["videos"] = save_videos(result.samples, os.path.join(output_dir, "videos"), fps, names)

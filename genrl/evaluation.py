@@ -36,6 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from genrl.policies.base import FlowPolicy
+from genrl.prompt_images import condition_preview
 from genrl.rewards.layouts import prepare_images_tensor
 from genrl.rollout import SamplingConfig, sample_rollout
 
@@ -74,6 +75,8 @@ class EvalResult:
         the evaluated prompts (for grids and videos; from draw 0), or None when none were kept.
     settings: how it was sampled (seed, batch size, batches, steps, guidance, size, ...).
     sample_indices: the prompt index of each kept sample (empty: the first ``len(samples)``).
+    conditions: uint8 ``(N, H, W, C)``, the conditioning image of each kept sample as the model
+        got it (image-to-video; resized to the samples' size), or None.
     """
 
     metrics: dict[str, dict[str, float]]
@@ -81,6 +84,7 @@ class EvalResult:
     samples: torch.Tensor | None
     settings: dict[str, Any] = field(default_factory=dict)
     sample_indices: list[int] = field(default_factory=list)
+    conditions: torch.Tensor | None = None
 
     def sample_rows(self) -> list[dict[str, Any]]:
         """The ``per_prompt`` rows of the kept samples, in the order of ``samples``."""
@@ -142,9 +146,10 @@ def sample_deterministic(
     *,
     config: SamplingConfig,
     device: torch.device | str,
+    images: Sequence | None = None,
 ) -> torch.Tensor:
-    """ODE-sample ``prompts`` with the trainer's denoising loop at noise level 0; sample j
-    starts from the j-th draw of ``generator`` (CPU).
+    """ODE-sample ``prompts`` (from ``images``, one each, for image-to-video) with the trainer's
+    denoising loop at noise level 0; sample j starts from the j-th draw of ``generator`` (CPU).
 
     Returns decoded float ``(B, C, F, H, W)`` in [0, 1] on the CPU, decoded one sample at a
     time (bounded VAE memory; no device tensor outlives the call).
@@ -154,7 +159,8 @@ def sample_deterministic(
     latents = policy.prepare_latents([generator] * batch, height, width, num_frames, device)
     ode = dataclasses.replace(config, noise_level=0.0, sde_window_size=0, sde_window_range=(0, None))
     rollout = sample_rollout(
-        policy, transformer, prompts, [0] * batch, seed=0, epoch=0, config=ode, device=device, initial_latents=latents
+        policy, transformer, prompts, [0] * batch, seed=0, epoch=0, config=ode, device=device, initial_latents=latents,
+        images=images,
     )
     return rollout.samples
 
@@ -237,6 +243,7 @@ def evaluate(
     keep_samples: int | None = None,
     show_progress: bool = True,
     samples_per_prompt: int = 1,
+    images: Sequence | None = None,
 ) -> EvalResult:
     """Evaluate ``transformer`` (in ``policy``'s pipeline) on the first ``max_batches`` global
     batches of ``prompts`` and score the samples with ``reward_fn``.
@@ -248,12 +255,15 @@ def evaluate(
     evaluated prompts (``spread_indices``; None = all). Only kept samples cross processes; keep
     it small for large videos. ``show_progress``: a progress bar on the main process.
     ``samples_per_prompt``: noise draws per prompt (``draw_seed``); the metrics are over all
-    samples.
+    samples. ``images``: the conditioning image of each prompt (image-to-video; kept samples keep
+    theirs in ``EvalResult.conditions``).
     """
     if not prompts:
         raise ValueError("evaluate got an empty prompt list; give at least one prompt.")
     if metadata is not None and len(metadata) != len(prompts):
         raise ValueError(f"evaluate got {len(metadata)} metadata entries for {len(prompts)} prompts; give one per prompt.")
+    if images is not None and len(images) != len(prompts):
+        raise ValueError(f"evaluate got {len(images)} images for {len(prompts)} prompts; give one per prompt.")
     if keep_samples is not None and keep_samples < 0:
         raise ValueError(f"keep_samples must be >= 0 or None (all); got {keep_samples}.")
     if samples_per_prompt < 1:
@@ -277,19 +287,21 @@ def evaluate(
             indices = list(batches[batch_idx])
             batch_prompts = [prompts[i] for i in indices]
             batch_metadata = [metadata[i] for i in indices] if metadata is not None else None
+            batch_images = [images[i] for i in indices] if images is not None else None
             for draw in range(samples_per_prompt):
                 generator.manual_seed(draw_seed(seed, draw, batch_idx))
-                samples = sample_deterministic(policy, transformer, batch_prompts, generator, config=config, device=device)
+                samples = sample_deterministic(policy, transformer, batch_prompts, generator, config=config, device=device,
+                                               images=batch_images)
                 if slot is None:
                     continue
                 scores = reward_fn(samples, batch_prompts, batch_metadata)
                 scores = {name: torch.as_tensor(value).detach().float().cpu() for name, value in scores.items()}
                 kept = [draw == 0 and i in shown for i in indices]
-                images = prepare_images_tensor(samples) if any(kept) else None
+                frames = prepare_images_tensor(samples) if any(kept) else None
                 for j, i in enumerate(indices):
                     sample_scores = {name: float(value[j]) for name, value in scores.items()}
-                    records.append(SampleRecord(i, draw, prompts[i], sample_scores, images[j].clone() if kept[j] else None))
-                del samples, images
+                    records.append(SampleRecord(i, draw, prompts[i], sample_scores, frames[j].clone() if kept[j] else None))
+                del samples, frames
     finally:
         transformer.train(was_training)
 
@@ -303,6 +315,10 @@ def evaluate(
     per_prompt = [_prompt_row(rows) for rows in _by_prompt(records)]
     kept_samples = [r.image for r in records if r.image is not None]
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
+    kept_indices = [r.index for r in records if r.image is not None]
+    conditions = None
+    if images is not None and kept_samples:  # read on every process, which all hold the images: nothing to gather
+        conditions = torch.stack([condition_preview(images[i], height, width) for i in kept_indices])
     settings = {
         "seed": seed,
         "batch_size": batch_size,
@@ -323,5 +339,6 @@ def evaluate(
         per_prompt=per_prompt,
         samples=torch.stack(kept_samples) if kept_samples else None,
         settings=settings,
-        sample_indices=[r.index for r in records if r.image is not None],
+        sample_indices=kept_indices,
+        conditions=conditions,
     )

@@ -76,7 +76,9 @@ def collect_rollouts(
             raise Preempted(f"stopped in the rollouts of epoch {epoch}")
         prompts = [prompt_set.prompts[i] for i, _ in batch]
         metadata = [prompt_set.metadata[i] for i, _ in batch]
-        rollout = sample_rollout(policy, model, prompts, [k for _, k in batch], seed=seed, epoch=epoch, config=config, device=device)
+        images = [prompt_set.images[i] for i, _ in batch] if prompt_set.images is not None else None
+        rollout = sample_rollout(policy, model, prompts, [k for _, k in batch], seed=seed, epoch=epoch, config=config, device=device,
+                                 images=images)
         guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
         scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
         rollouts.append(rollout)

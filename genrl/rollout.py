@@ -198,6 +198,7 @@ def sample_rollout(
     device: torch.device | str,
     initial_latents: torch.Tensor | None = None,
     on_step: Callable[[torch.Tensor, torch.Tensor, dict, torch.Tensor], None] | None = None,
+    images: Sequence | None = None,
 ) -> Rollout:
     """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
     with ``transformer`` and record every stochastic step. Decoded samples land on the CPU.
@@ -207,7 +208,9 @@ def sample_rollout(
     per-sample generators. ``on_step(latents, timesteps, embeds, velocity)`` is called at every
     step with the state ``(B, ...)``, its timesteps ``(B,)``, the prompt embeddings and the
     model's (guided) velocity there (the reward watch measures drift from the reference there;
-    with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one)."""
+    with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one).
+    ``images``: image-to-video policies' conditioning image of each sample (``genrl.prompt_images``),
+    encoded into the embeddings (once per distinct image); None for the text-only ones."""
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
@@ -215,6 +218,7 @@ def sample_rollout(
     batch = len(prompts)
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
+    embeds.update(policy.encode_images(images, height, width, num_frames, device))
 
     sample_ids = list(zip(prompts, group_indices))
     latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in sample_ids]
@@ -268,6 +272,7 @@ def sample_rollout(
                     records[r].append(StepRecord(latents[r], out.next_sample[j], i, out.log_prob[j], mean))
         latents = next_latents
 
+    latents = policy.finish_latents(latents, embeds)
     decode_start = time.perf_counter()
     samples = decode_in_chunks(policy.decode, latents, config.decode_batch_size)
     decode_seconds = time.perf_counter() - decode_start

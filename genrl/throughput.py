@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import PIL.Image
 import torch
 from torch.func import functional_call
 from torch.utils.flop_counter import FlopCounterMode
@@ -77,12 +78,15 @@ def count_transformer_flops(
     before ``--attention_backend``, ``--compile`` or ``accelerator.prepare``): the conditional
     velocity (``policy.predict_velocity``) of latents ``(1, *latent_shape)`` at the size
     ``config`` samples, with ``prompt``'s embeddings (encoded on ``device``: the real text
-    length), on the meta device. Gradient checkpointing is switched off while counting (and on
+    length; an image-to-video policy's image conditioning too), on the meta device. Gradient checkpointing is switched off while counting (and on
     again after): its recomputation is not counted. Draws nothing from any random generator."""
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     guidance = policy.conditional_guidance(config.guidance_scale)
-    embeds = {k: torch.empty_like(v, device="meta") for k, v in
-              policy.encode_prompts([prompt], device, guidance, config.negative_prompt).items()}
+    encoded = policy.encode_prompts([prompt], device, guidance, config.negative_prompt)
+    if policy.image_conditioned:  # the FLOPs do not depend on the pixels: a gray image of the size sampled
+        encoded.update(policy.encode_images([PIL.Image.new("RGB", (width, height), (128, 128, 128))], height, width,
+                                            num_frames, device))
+    embeds = {k: torch.empty_like(v, device="meta") for k, v in encoded.items()}
     latents = torch.zeros((1, *policy.latent_shape(height, width, num_frames)), device="meta")
     timestep = torch.zeros(1, device="meta")
     module = _MetaModule(transformer)

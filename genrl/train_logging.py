@@ -23,7 +23,7 @@ from genrl.console import eval_line
 from genrl.data import PromptSet
 from genrl.ema import EMA
 from genrl.errors import SetupError
-from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
+from genrl.eval_outputs import compact_scores, grid_cells, save_image_grid, save_videos, score_caption
 from genrl.evaluation import EvalResult, evaluate, spread_indices
 from genrl.nft import velocity_kl
 from genrl.pipeline_defaults import LOG_PREFIX as PIPELINE_DEFAULTS, SETTING_KEYS, settings_text
@@ -73,12 +73,13 @@ def log_videos(accelerator, tag: str, mp4_paths: list[str], step: int) -> None:
 
 
 def log_eval_samples(accelerator, result: EvalResult, output_dir: str, step: int, *, is_video: bool, video_fps: float) -> None:
-    """Main process: the kept evaluation samples as ``samples/eval-<step>.png``, captioned with
+    """Main process: the kept evaluation samples (beside their conditioning images for image-to-video,
+    ``grid_cells``) as ``samples/eval-<step>.png``, captioned with
     their prompt and scores, and for video models their MP4s in ``samples/eval-<step>/``; both
     go to the trackers that show them."""
     captions = [r["prompt"] + "\n" + score_caption(compact_scores(r["scores"]), sep=" ", between="=")
                 for r in result.sample_rows()]
-    grid = save_image_grid(result.samples, os.path.join(output_dir, "samples", f"eval-{step:06d}.png"), captions=captions)
+    grid = save_image_grid(grid_cells(result), os.path.join(output_dir, "samples", f"eval-{step:06d}.png"), captions=captions)
     log_image(accelerator, "eval/samples", grid, step)
     if is_video:  # the grid shows middle frames; the clips themselves go next to it
         videos = save_videos(result.samples, os.path.join(output_dir, "samples", f"eval-{step:06d}"), fps=video_fps)
@@ -119,7 +120,7 @@ def evaluate_plan(plan: EvalPlan, policy: FlowPolicy, model: torch.nn.Module, de
         policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
         max_batches=plan.max_batches, config=config or plan.config, device=device, accelerator=accelerator,
         metadata=plan.prompts.metadata, keep_samples=plan.keep_samples if keep_samples is None else keep_samples,
-        show_progress=False, samples_per_prompt=plan.samples_per_prompt,
+        show_progress=False, samples_per_prompt=plan.samples_per_prompt, images=plan.prompts.images,
     )
 
 
@@ -146,8 +147,9 @@ def watch_probe(
 
     groups = []
     for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
+        images = [plan.prompts.images[i]] * k if plan.prompts.images is not None else None
         rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.seed, epoch=0,
-                                 config=config, device=device, on_step=measure_drift if reference else None)
+                                 config=config, device=device, on_step=measure_drift if reference else None, images=images)
         groups.append(rollout.samples)
     values = {"eval/diversity": group_diversity(torch.stack(groups))}
     if drifts:

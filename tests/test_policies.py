@@ -3,12 +3,14 @@ and sampling parity with the pipelines' own ``__call__``."""
 
 import json
 
+import numpy as np
+import PIL.Image
 import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
 from genrl.errors import SetupError
-from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, load_policy, policy_for_pipeline
+from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanImageToVideoPolicy, WanPolicy, load_policy, policy_for_pipeline
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
 from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, VARIANTS, build_tiny_pipeline, save_tiny_pipeline
@@ -16,6 +18,11 @@ from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, VARIA
 torch.set_num_threads(2)
 
 ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy}
+
+
+def _image(seed: int, height: int = 40, width: int = 48) -> PIL.Image.Image:
+    """A random RGB image of another size than the samples (the pipelines resize it)."""
+    return PIL.Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype(np.uint8))
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +33,7 @@ def tiny_dirs(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def policies(tiny_dirs):
-    return {family: load_policy(path, wan_expert="high" if family == "wan2.2-a14b" else None).to("cpu")
+    return {family: load_policy(path, wan_expert="high" if "a14b" in family else None).to("cpu")
             for family, path in tiny_dirs.items()}
 
 
@@ -90,6 +97,17 @@ def test_load_policy_errors(tmp_path):
         "transformer_2": ["diffusers", "WanTransformer3DModel"]}))
     with pytest.raises(SetupError, match="two-expert Wan 2.2 pipeline .*0.875.*--wan_expert high or --wan_expert low"):
         load_policy(str(tmp_path))
+    # Prompts with images for a text-only pipeline, or without for an image-to-video one: from the index alone too.
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline", "expand_timesteps": False}))
+    with pytest.raises(SetupError, match=r"is a text-to-video pipeline \(WanPipeline\) and takes no conditioning image, but"):
+        load_policy(str(tmp_path), image_conditioned=True)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    with pytest.raises(SetupError, match=r"is a text-to-image pipeline \(FluxPipeline\)"):
+        load_policy(str(tmp_path), image_conditioned=True)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
+    with pytest.raises(SetupError, match=r"is an image-to-video pipeline \(WanImageToVideoPipeline\): every prompt needs a "
+                                         r"conditioning image, and the prompts have no image column"):
+        load_policy(str(tmp_path), image_conditioned=False)
 
 
 def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(tiny_dirs):
@@ -225,24 +243,34 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
 
 @pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
                                                     ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
-                                                    ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0)])
+                                                    ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0),
+                                                    ("wan2.1-i2v", 3.0), ("wan2.1-i2v", 1.0), ("wan2.2-i2v", 3.0),
+                                                    ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b/low", 3.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
     experts each sample their own steps, the low-noise one at its own guidance scale, whichever
-    of them is the trained one."""
+    of them is the trained one. Image-to-video samples from the same image as the pipeline (Wan
+    2.1 I2V: its CLIP embeddings too; TI2V: as the first latent frame)."""
     family, _, expert = family.partition("/")
     policy = policies[family]
     extra = {}
-    if family == "wan2.2-a14b":
-        policy = WanPolicy(policy.pipeline, expert=expert or "high", guidance_scale_2=2.0,
-                           **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()})
+    if "a14b" in family:
+        policy = type(policy)(policy.pipeline, expert=expert or "high", guidance_scale_2=2.0,
+                              **{f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS[family].items()})
         extra = {"guidance_scale_2": 2.0}
     height, width, num_frames = TINY_SAMPLING_DEFAULTS[family].values()
     prompts = ["a red circle above a blue square", "three green triangles"]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
-    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu")
+    images = [_image(0)] * 2 if policy.image_conditioned else None
+    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
+                             images=images)
     assert rollout.num_steps == 0
+    if images is not None:
+        extra["image"] = images[0]
+        other = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
+                               images=[_image(1)] * 2)
+        assert (other.samples - rollout.samples).abs().max() > 0.01, "the image must condition the samples"
 
     generators = [latent_generator(p, 7, 0, 0, True) for p in prompts]
     latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
@@ -290,6 +318,39 @@ def test_wan22_ti2v_loads_as_wan_with_its_16x_patchified_latents(policies):
     torch.testing.assert_close(timesteps[0], torch.tensor([[900.0] * 8, [100.0] * 8]))
     assert v.shape == latents.shape
     torch.testing.assert_close(v[:1], v0, rtol=0, atol=1e-5)
+
+
+def test_image_to_video_encodes_each_distinct_image_once_into_its_own_rows(tiny_dirs, policies, monkeypatch):
+    """Wan 2.2 TI2V's own folder (a WanPipeline) samples from images as a WanImageToVideoPipeline.
+    A batch's image conditioning is batch-first, one VAE encoding per distinct image (a prompt
+    group shares one), and each row is its own image's: a sample does not depend on the others."""
+    ti2v = load_policy(tiny_dirs["wan2.2"], image_conditioned=True)
+    assert type(ti2v) is WanImageToVideoPolicy and type(ti2v.pipeline).__name__ == "WanImageToVideoPipeline"
+    assert ti2v.first_frame_conditioned and not ti2v.uses_image_encoder
+    policy = policies["wan2.1-i2v"]
+    assert "image_encoder" in policy.frozen_modules() and policy.uses_image_encoder
+    assert policy.latent_shape(32, 32, 5) == (4, 2, 4, 4)  # the VAE's channels; the transformer takes 2 x 4 + 4
+    encodes = []
+    original = policy.pipeline.vae.encode
+    monkeypatch.setattr(policy.pipeline.vae, "encode", lambda x, **kw: encodes.append(x.shape) or original(x, **kw))
+    a, b = _image(0), _image(1, 32, 32)
+    embeds = policy.encode_images([a, b, a], 32, 32, 5, "cpu")
+    assert len(encodes) == 2 and encodes[0] == (1, 3, 5, 32, 32)  # the image and 4 black frames
+    assert embeds["condition"].shape == (3, 4 + 4, 2, 4, 4) and embeds["image_embeds"].shape == (3, 17, 16)
+    assert all(torch.equal(v[0], v[2]) and not torch.equal(v[0], v[1]) for v in embeds.values())
+    alone = policy.encode_images([b], 32, 32, 5, "cpu")
+    assert all(torch.equal(alone[k][0], embeds[k][1]) for k in alone)
+    embeds.update(policy.encode_prompts(["a cat", "a dog", "a cat"], "cpu", guidance_scale=3.0))
+    latents = policy.prepare_latents(_generators(3), 32, 32, 5, "cpu")
+    t = torch.tensor([900.0, 500.0, 900.0])
+    with torch.no_grad():
+        v = policy.predict_velocity(policy.transformer, latents, t, embeds, 3.0)
+        v1 = policy.predict_velocity(policy.transformer, latents[1:2], t[1:2], {k: e[1:2] for k, e in embeds.items()}, 3.0)
+    torch.testing.assert_close(v[1:2], v1, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="give one image per prompt"):
+        policy.encode_images(None, 32, 32, 5, "cpu")
+    with pytest.raises(ValueError, match="takes no conditioning images"):
+        policies["wan"].encode_images([a], 32, 32, 5, "cpu")
 
 
 def test_wan_unipc_scheduler_is_replaced_by_flow_match_euler_with_its_shift():

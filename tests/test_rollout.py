@@ -3,6 +3,8 @@ under the same weights gives back the recorded log-probs (PPO ratio exactly 1)."
 
 import dataclasses
 
+import numpy as np
+import PIL.Image
 import pytest
 import torch
 
@@ -263,3 +265,25 @@ def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(exper
     assert policy.expert_of(flat[2]).any() and not policy.expert_of(flat[2]).all(), "the batch must mix the experts"
     out = step_log_prob(policy, policy.transformer, *flat, config=config, sigma_max=rollout.sigma_max)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family, guidance_scale", [("wan2.1-i2v", 3.0), ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b", 3.0)])
+def test_image_to_video_recomputes_its_log_probs_and_keeps_its_image_in_frame_0(family, guidance_scale):
+    """The image conditioning travels with the prompt embeddings: the recorded transitions of two
+    prompt groups, each with its own image, re-scored in one batch give the recorded log-probs.
+    Wan 2.2 TI2V: the first latent frame ends as the image's latents, and the velocity there is 0
+    (no weight changes that frame's share of a log-prob)."""
+    policy = build_tiny_policy(family).to("cpu")
+    images = [PIL.Image.fromarray((np.random.RandomState(s).rand(24, 40, 3) * 255).astype(np.uint8)) for s in (0, 1)]
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.9)
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=1, epoch=0, config=config,
+                             device="cpu", images=[images[0], images[0], images[1]])
+    assert all(v.shape[0] == 3 for v in rollout.embeds.values())
+    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
+    if policy.first_frame_conditioned:
+        assert torch.equal(rollout.final_latents[:, :, :1], rollout.embeds["condition"])
+        with torch.no_grad():
+            v = policy.predict_velocity(policy.transformer, rollout.latents[:, 0], rollout.timesteps[:, 0], rollout.embeds,
+                                        guidance_scale)
+        assert (v[:, :, 0] == 0).all() and (v[:, :, 1:] != 0).all()

@@ -22,6 +22,11 @@ class DataArguments:
         default="prompt",
         help="Column holding the prompt in .jsonl/.csv/datasets; other columns reach rewards as metadata.",
     )
+    image_column: str = HfArg(
+        default="image",
+        help="Column holding each prompt's conditioning image for image-to-video models (a path relative to the prompt "
+        "file, a URL, or a datasets Image); a prompt set without it is text-only.",
+    )
     train_split: str = HfArg(default="train", help="Split of a dataset used for training.")
     eval_split: str = HfArg(default="test", help="Split of a dataset used for evaluation.")
 

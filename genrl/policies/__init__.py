@@ -13,11 +13,13 @@ from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
+from genrl.policies.wan_i2v import WanImageToVideoPolicy
 from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
 POLICIES: dict[str, type[FlowPolicy]] = {
     "WanPipeline": WanPolicy,
+    "WanImageToVideoPipeline": WanImageToVideoPolicy,
     "StableDiffusion3Pipeline": SD3Policy,
     "FluxPipeline": FluxPolicy,
 }
@@ -25,7 +27,7 @@ POLICIES: dict[str, type[FlowPolicy]] = {
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
-__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+__all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -52,6 +54,25 @@ def _read_json(path_or_id: str, filename: str, revision: str | None, required: b
         return json.load(f)
 
 
+def pipeline_class_for(path: str, index: dict, image_conditioned: bool | None) -> str:
+    """The pipeline class to load ``path`` (its ``model_index.json`` is ``index``) as, for prompts
+    with (``image_conditioned``) or without conditioning images (None: its own class). A Wan 2.2
+    TI2V folder (a ``WanPipeline`` with ``expand_timesteps``) samples from images as a
+    ``WanImageToVideoPipeline``; any other mismatch is one sentence."""
+    class_name = index.get("_class_name")
+    takes_images = POLICIES.get(class_name, FlowPolicy).image_conditioned
+    if image_conditioned is None or image_conditioned == takes_images:
+        return class_name
+    if image_conditioned and class_name == "WanPipeline" and index.get("expand_timesteps"):
+        return "WanImageToVideoPipeline"
+    if image_conditioned:
+        kind = "text-to-video" if POLICIES[class_name].is_video else "text-to-image"
+        raise SetupError(f"{path!r} is a {kind} pipeline ({class_name}) and takes no conditioning image, but the prompts "
+                         f"have an image column; leave it out (--image_column names it) or train an image-to-video model.")
+    raise SetupError(f"{path!r} is an image-to-video pipeline ({class_name}): every prompt needs a conditioning image, "
+                     f"and the prompts have no image column (--image_column names it).")
+
+
 def policy_for_pipeline(pipeline, **defaults) -> FlowPolicy:
     """The adapter for an already loaded pipeline; ``defaults`` are ``default_height`` etc."""
     name = type(pipeline).__name__
@@ -71,6 +92,7 @@ def load_policy(
     wan_expert: str | None = None,
     guidance_scale_2: float | None = None,
     sampling_only: bool = False,
+    image_conditioned: bool | None = None,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
@@ -89,12 +111,18 @@ def load_policy(
     ZeRO-3); the other expert is a frozen part, in ``dtype`` and whole on every rank.
     ``guidance_scale_2`` guides its low-noise steps (``WanPolicy``). Without ``wan_expert`` such a
     pipeline loads only with ``sampling_only`` (evaluation).
+
+    ``image_conditioned``: whether the prompts come with conditioning images (None: load the
+    folder's own class); an image-to-video pipeline without them, or a text-only one with them,
+    is a ``SetupError`` before any weights load, and Wan 2.2 TI2V with them loads as
+    ``WanImageToVideoPipeline`` (``pipeline_class_for``).
     """
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+    class_name = pipeline_class_for(path, index, image_conditioned)
     two_experts = (index.get("transformer_2") or [None])[0] is not None
     if two_experts and wan_expert not in EXPERTS and not (sampling_only and wan_expert is None):  # before any weights load
         raise SetupError(two_expert_message(path, index.get("boundary_ratio")))

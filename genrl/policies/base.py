@@ -85,6 +85,7 @@ class FlowPolicy:
     family: str = ""
     is_video: bool = False
     uses_true_cfg: bool = True  # CFG as two forwards (cond, uncond); else guidance is an input
+    image_conditioned: bool = False  # every prompt comes with a conditioning image (image-to-video)
     pipeline_text_tokens: int = 512  # T5/UMT5 tokens per prompt the family's pipeline encodes by default
 
     def __init__(
@@ -154,6 +155,20 @@ class FlowPolicy:
         """Text embeddings, every tensor ``(B, ...)``; with true CFG (guidance_scale > 1) also
         the ``negative_*`` embeddings of ``negative_prompt``."""
         raise NotImplementedError
+
+    def encode_images(
+        self, images: Sequence | None, height: int, width: int, num_frames: int, device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """The conditioning of ``images`` (one per prompt; None for the text-only families),
+        every tensor ``(B, ...)``, to join the prompt embeddings."""
+        if images is not None:
+            raise ValueError(f"{type(self.pipeline).__name__} takes no conditioning images; sample it with images=None.")
+        return {}
+
+    def finish_latents(self, latents: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The sampled latents ``(B, ...)`` as the pipeline hands them to the VAE: unchanged, except
+        for families that denoise around an encoded image and put it back."""
+        return latents
 
     def latent_shape(self, height: int, width: int, num_frames: int) -> tuple[int, ...]:
         """Shape of one sample's latents (without the batch dim); fails on sizes the model cannot take."""

@@ -152,15 +152,24 @@ class WanPolicy(FlowPolicy):
     def _velocity(self, transformer, latents, timestep, embeds, cfg: bool, guidance_scale: float) -> torch.Tensor:
         dtype = module_dtype(transformer)
         (prompt_embeds,) = self._require(embeds, "prompt_embeds")
-        x, t, context = latents.to(dtype), timestep.float(), prompt_embeds.to(dtype)
+        x, t, extra = self._model_inputs(latents, timestep.float(), embeds)
+        x, context, extra = x.to(dtype), prompt_embeds.to(dtype), {k: v.to(dtype) for k, v in extra.items()}
         if cfg:
             (negative_embeds,) = self._require(embeds, "negative_prompt_embeds")
             x, t, context = torch.cat([x, x]), torch.cat([t, t]), torch.cat([negative_embeds.to(dtype), context])
+            extra = {k: torch.cat([v, v]) for k, v in extra.items()}
+        velocity = transformer(hidden_states=x, timestep=t, encoder_hidden_states=context, **extra, return_dict=False)[0]
+        return self._guided(velocity, guidance_scale) if cfg else velocity.float()
+
+    def _model_inputs(
+        self, latents: torch.Tensor, timestep: torch.Tensor, embeds: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """The transformer's ``hidden_states``, ``timestep`` and further conditioning inputs for
+        ``latents`` ``(B, C, F', h, w)`` at ``timestep`` ``(B,)``, one sample each (CFG doubles them)."""
         if self.pipeline.config.get("expand_timesteps", False):
             # Wan 2.2 TI2V: one timestep per latent token (all equal for text-to-video).
-            t = t[:, None].expand(-1, self.image_seq_len(latents))
-        velocity = transformer(hidden_states=x, timestep=t, encoder_hidden_states=context, return_dict=False)[0]
-        return self._guided(velocity, guidance_scale) if cfg else velocity.float()
+            timestep = timestep[:, None].expand(-1, self.image_seq_len(latents))
+        return latents, timestep, {}
 
     @torch.no_grad()
     def decode(self, latents):

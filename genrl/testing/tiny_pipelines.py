@@ -28,13 +28,17 @@ from diffusers import (
     FluxTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
+    WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
 )
 from transformers import (
+    CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    CLIPVisionConfig,
+    CLIPVisionModel,
     PreTrainedTokenizerFast,
     T5Config,
     T5EncoderModel,
@@ -49,8 +53,11 @@ FAMILIES = ("wan", "sd3", "flux")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
-# "wan2.2-a14b" Wan 2.2 A14B's (two experts split at a boundary timestep).
-VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b")
+# "wan2.2-a14b" Wan 2.2 A14B's (two experts split at a boundary timestep); image-to-video
+# (``WanImageToVideoPipeline``): "wan2.1-i2v" Wan 2.1 I2V's (a CLIP image encoder, the image's
+# latents and mask concatenated to the noise), "wan2.2-i2v-a14b" Wan 2.2 I2V A14B's (two such
+# experts, no CLIP), "wan2.2-i2v" Wan 2.2 TI2V-5B's sampling from an image (its first latent frame).
+VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b", "wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-i2v")
 
 # Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
 # (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
@@ -58,6 +65,9 @@ TINY_SAMPLING_DEFAULTS = {
     "wan": {"height": 32, "width": 32, "num_frames": 5},
     "wan2.2": {"height": 64, "width": 64, "num_frames": 5},
     "wan2.2-a14b": {"height": 32, "width": 32, "num_frames": 5},
+    "wan2.1-i2v": {"height": 32, "width": 32, "num_frames": 5},
+    "wan2.2-i2v-a14b": {"height": 32, "width": 32, "num_frames": 5},
+    "wan2.2-i2v": {"height": 64, "width": 64, "num_frames": 5},
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
     "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
@@ -227,6 +237,55 @@ def _build_wan22() -> WanPipeline:
     return _wan_pipeline(vae, shift=5.0, expand_timesteps=True)
 
 
+def _wan21_vae() -> AutoencoderKLWan:
+    return AutoencoderKLWan(
+        base_dim=4, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+
+
+def _wan_i2v_transformer(z_dim: int, **image_attention) -> WanTransformer3DModel:
+    """Channel conditioning: the noise, a 4-channel first-frame mask and the image's latents."""
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=2 * z_dim + 4, out_channels=z_dim,
+        text_dim=32, freq_dim=32, ffn_dim=32, num_layers=2, cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32, **image_attention,
+    )
+
+
+def _build_wan21_i2v() -> WanImageToVideoPipeline:
+    """Wan 2.1 I2V's layout: a CLIP vision encoder whose penultimate hidden states (17 tokens of
+    width 16 here; 257 of 1280) the transformer attends to, beside the text, through added
+    key/value projections."""
+    vae = _wan21_vae()
+    transformer = _wan_i2v_transformer(vae.config.z_dim, image_dim=16, added_kv_proj_dim=24)
+    encoder = CLIPVisionModel(CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=8))
+    return WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(add_bos=False), text_encoder=UMT5EncoderModel(UMT5Config(**_TINY_T5)), vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=transformer, image_encoder=encoder,
+        image_processor=CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}),
+    )
+
+
+def _build_wan22_i2v_a14b() -> WanImageToVideoPipeline:
+    """Wan 2.2 I2V A14B's layout: two channel-conditioned experts split at a boundary, no image encoder."""
+    vae = _wan21_vae()
+    high, low = _wan_i2v_transformer(vae.config.z_dim), _wan_i2v_transformer(vae.config.z_dim)
+    return WanImageToVideoPipeline(
+        tokenizer=tiny_tokenizer(add_bos=False), text_encoder=UMT5EncoderModel(UMT5Config(**_TINY_T5)), vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), transformer=high, transformer_2=low, boundary_ratio=0.875,
+    )
+
+
+def _build_wan22_i2v() -> WanImageToVideoPipeline:
+    """Wan 2.2 TI2V-5B's pipeline (the "wan2.2" weights) as the image-to-video pipeline that
+    ``load_policy`` makes of it for prompts with images."""
+    components = {k: v for k, v in _build_wan22().components.items() if k in ("tokenizer", "text_encoder", "vae",
+                                                                             "scheduler", "transformer")}
+    return WanImageToVideoPipeline(**components, expand_timesteps=True)
+
+
 def _build_sd3(**transformer_config) -> StableDiffusion3Pipeline:
     latent_channels = 4
     transformer = SD3Transformer2DModel(
@@ -298,7 +357,8 @@ def _build_sd35() -> StableDiffusion3Pipeline:
 
 
 _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
-             "wan2.2-a14b": _build_wan22_a14b}
+             "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v, "wan2.2-i2v-a14b": _build_wan22_i2v_a14b,
+             "wan2.2-i2v": _build_wan22_i2v}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
