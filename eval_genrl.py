@@ -34,11 +34,11 @@ from genrl.acceleration import (
     check_attention_backend_name, compile_repeated_blocks, probe_attention_backend, set_attention_backend,
 )
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
-from genrl.data import load_prompts
+from genrl.data import PromptSet, load_prompts
 from genrl.distributed import build_accelerator, check_mixed_precision, end_processes, zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
-from genrl.evaluation import evaluate
+from genrl.evaluation import EvalResult, EvalSettings, evaluate
 from genrl.output_lock import lock_output_dir
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn, check_reward_options
@@ -193,7 +193,8 @@ def trained_settings(path: str | None) -> dict:
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config):
+def evaluate_model(path, args, accelerator, prompts: PromptSet, reward_fn, config: SamplingConfig) -> EvalResult:
+    """``prompts`` evaluated with the model at ``path`` (loaded, sampled, then freed), as the flags say."""
     dtype = WEIGHT_DTYPES[args.mixed_precision]
     policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype,
                         max_sequence_length=args.max_sequence_length)
@@ -205,21 +206,10 @@ def evaluate_model(path, args, accelerator, prompts, metadata, reward_fn, config
         set_attention_backend([policy.transformer], args.attention_backend, device=accelerator.device, dtype=dtype)
     if args.compile:
         compile_repeated_blocks(policy.transformer, fullgraph=True)
-    result = evaluate(
-        policy,
-        policy.transformer,
-        prompts,
-        reward_fn,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_batches=args.max_batches or None,
-        config=config,
-        device=accelerator.device,
-        accelerator=accelerator,
-        metadata=metadata,
-        keep_samples=None if args.save_samples == -1 else args.save_samples,
-        samples_per_prompt=args.samples_per_prompt,
-    )
+    settings = EvalSettings(config, seed=args.seed, batch_size=args.batch_size, max_batches=args.max_batches or None,
+                            keep_samples=None if args.save_samples == -1 else args.save_samples,
+                            samples_per_prompt=args.samples_per_prompt)
+    result = evaluate(policy, policy.transformer, prompts, reward_fn, settings, accelerator=accelerator)
     result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
     del policy
     gc.collect()
@@ -261,7 +251,6 @@ def main(args, held: ExitStack | None = None):
 
     if args.attention_backend:  # a missing package or kernel fails now, not after loading the models
         probe_attention_backend(args.attention_backend, accelerator.device, WEIGHT_DTYPES[args.mixed_precision])
-    prompts, metadata = prompt_set.prompts, prompt_set.metadata
     spec = args.reward_fn
     with zero_init_disabled():
         # NaN marks a score that does not apply to a sample (e.g. a position check on a counting
@@ -279,16 +268,16 @@ def main(args, held: ExitStack | None = None):
         decode_batch_size=args.vae_decode_batch_size,
     )
     logger.info(
-        f"Evaluating {args.model} on {len(prompts)} prompts (at most {args.max_batches or 'all'} batches of "
+        f"Evaluating {args.model} on {len(prompt_set)} prompts (at most {args.max_batches or 'all'} batches of "
         f"{args.batch_size}, {args.samples_per_prompt} sample(s) each) with reward {spec!r}, seed {args.seed}, "
         f"{accelerator.num_processes} process(es).",
         main_process_only=True,
     )
 
-    result_a = evaluate_model(args.model, args, accelerator, prompts, metadata, reward_fn, config)
+    result_a = evaluate_model(args.model, args, accelerator, prompt_set, reward_fn, config)
     result_b = None
     if args.compare:
-        result_b = evaluate_model(args.compare, args, accelerator, prompts, metadata, reward_fn, config)
+        result_b = evaluate_model(args.compare, args, accelerator, prompt_set, reward_fn, config)
 
     if accelerator.is_main_process:
         if result_b is None:

@@ -46,7 +46,8 @@ from genrl.distributed import (
 )
 from genrl.ema import EMA
 from genrl.errors import SetupError, find_setup_error, said_once, stop_line
-from genrl.experience import ScoredRollouts, collect_rollouts, epoch_advantages
+from genrl.evaluation import EvalSettings
+from genrl.experience import AdvantageConfig, ScoredRollouts, collect_rollouts, epoch_advantages
 from genrl.experts import expert_sigma_range
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.lr_schedule import scheduler_step_rules
@@ -238,11 +239,18 @@ def main(args, held: ExitStack | None = None):
         sampling_decay_rate=args.sampling_policy_decay_rate, sampling_decay_max=args.sampling_policy_decay_max,
         train_sigma_range=train_sigma_range,
     )
+    advantage_config = AdvantageConfig(
+        reward_combine=args.reward_combine, std_mode=args.std_mode, adv_clip_max=args.adv_clip_max,
+        filter_zero_advantage=args.filter_zero_advantage,
+        micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
+        train_samples_per_group=args.train_samples_per_group,
+    )
+    eval_settings = EvalSettings(eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
+                                 max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples,
+                                 samples_per_prompt=args.eval_samples_per_prompt)
     eval_plan = None if eval_set is None else EvalPlan(
-        eval_set, eval_reward_fn, eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size,
-        max_batches=args.eval_max_batches, keep_samples=args.eval_log_samples, video_fps=args.eval_video_fps,
+        eval_set, eval_reward_fn, eval_settings, video_fps=args.eval_video_fps,
         probe_prompts=args.eval_diversity_prompts, probe_samples=args.eval_diversity_samples,
-        samples_per_prompt=args.eval_samples_per_prompt,
     )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
@@ -344,13 +352,7 @@ def main(args, held: ExitStack | None = None):
                 clear_reward_models()
 
             # 5. Advantages over the whole epoch, all ranks.
-            advantages = epoch_advantages(
-                accelerator, scored.rewards, reward_weights, group_ids=sampler.group_ids(),
-                reward_combine=args.reward_combine, std_mode=args.std_mode,
-                adv_clip_max=args.adv_clip_max, filter_zero_advantage=args.filter_zero_advantage,
-                micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
-                train_samples_per_group=args.train_samples_per_group,
-            )
+            advantages = epoch_advantages(accelerator, scored.rewards, reward_weights, sampler.group_ids(), advantage_config)
 
         # 6. Policy update: on the recorded SDE transitions (grpo) or on the clean samples noised
         #    again (nft, awm); 7. the EMA every --ema_update_interval optimizer steps.

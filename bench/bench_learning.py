@@ -325,12 +325,12 @@ def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None,
                     guidance_scale: float | None = None, samples_per_prompt: int = 1) -> list[float]:
     """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it
     (the mean over ``samples_per_prompt`` noises, ``genrl.evaluation.draw_seed``)."""
-    from genrl.evaluation import evaluate
+    from genrl.evaluation import EvalSettings, evaluate
 
     prompts, reward_fn, config, run = eval_setting(batches, guidance_scale)
-    result = evaluate(policy, policy.transformer, prompts.prompts, reward_fn, seed=seed, batch_size=run["eval_batch_size"],
-                      max_batches=run["eval_max_batches"], config=config, device="cpu", metadata=prompts.metadata,
-                      keep_samples=0, samples_per_prompt=samples_per_prompt)
+    settings = EvalSettings(config, seed=seed, batch_size=run["eval_batch_size"], max_batches=run["eval_max_batches"],
+                            keep_samples=0, samples_per_prompt=samples_per_prompt)
+    result = evaluate(policy, policy.transformer, prompts, reward_fn, settings, device="cpu")
     return [r["scores"]["toy_geneval"] for r in result.per_prompt]
 
 

@@ -113,25 +113,42 @@ class EpochAdvantages:
     logs: dict[str, float]
 
 
+@dataclass(frozen=True)
+class AdvantageConfig:
+    """How an epoch's rewards become advantages (the flags of the same names).
+
+    reward_combine: how several rewards combine (``genrl.advantages.combine_rewards``).
+    std_mode: whose standard deviation normalises them: the group's, the epoch's, the largest group's.
+    adv_clip_max: advantages are clipped to [-adv_clip_max, adv_clip_max].
+    filter_zero_advantage: train only on the informative samples (every process keeps as many).
+    micro_batch_size: the kept count is a multiple of it (``--train_batch_size`` ×
+        ``--gradient_accumulation_steps``).
+    train_samples_per_group: m, train on the m samples of each group whose advantages vary most
+        (None: all of them).
+    """
+
+    reward_combine: str
+    std_mode: str
+    adv_clip_max: float
+    filter_zero_advantage: bool
+    micro_batch_size: int
+    train_samples_per_group: int | None = None
+
+
 def epoch_advantages(
     accelerator,
     rewards: dict[str, torch.Tensor],
     weights: dict[str, float],
-    *,
     group_ids: torch.Tensor,
-    reward_combine: str,
-    std_mode: str,
-    adv_clip_max: float,
-    filter_zero_advantage: bool,
-    micro_batch_size: int,
-    train_samples_per_group: int | None = None,
+    config: AdvantageConfig,
 ) -> EpochAdvantages:
     """Phase 5: gather ``rewards`` (``{name: (B,)}`` on each process, B the same everywhere)
     from every process, normalise them per prompt group (``group_ids``: ``(B,)`` long, the
     epoch-wide group of each local sample, ``PromptGroupSampler.group_ids``), clip at
-    ``adv_clip_max`` and pick the samples to train on, a multiple of ``micro_batch_size``.
+    ``config.adv_clip_max`` and pick the samples to train on, a multiple of
+    ``config.micro_batch_size``.
 
-    ``train_samples_per_group`` m: of each group only the m samples whose advantages vary most
+    ``config.train_samples_per_group`` m: of each group only the m samples whose advantages vary most
     are trained on (``max_variance_subset``), with advantages normalised again over those m, as
     PODS does; the others get 0. Normalised over the whole group instead, a kept subset's
     advantages need not sum to 0: once most samples of a prompt score high, the subset is the few
@@ -144,24 +161,25 @@ def epoch_advantages(
     raw = {name: accelerator.gather(rewards[name].to(device)).cpu() for name in names}
     group_ids = accelerator.gather(group_ids.to(device)).cpu()
     gathered = {name: fill_abstentions(raw[name], group_ids) for name in names}  # NaN: a judge gave no score
-    advantages = clip_advantages(
-        combine_rewards(gathered, weights, group_ids, mode=reward_combine, std_mode=std_mode), adv_clip_max
-    )
-    if train_samples_per_group:
-        selected = max_variance_subset(advantages, group_ids, train_samples_per_group)
+
+    def normalised(values: dict[str, torch.Tensor], groups: torch.Tensor) -> torch.Tensor:
+        combined = combine_rewards(values, weights, groups, mode=config.reward_combine, std_mode=config.std_mode)
+        return clip_advantages(combined, config.adv_clip_max)
+
+    advantages = normalised(gathered, group_ids)
+    if config.train_samples_per_group:
+        selected = max_variance_subset(advantages, group_ids, config.train_samples_per_group)
         subset = {name: gathered[name][selected] for name in names}
         advantages = torch.zeros_like(advantages)
-        advantages[selected] = clip_advantages(
-            combine_rewards(subset, weights, group_ids[selected], mode=reward_combine, std_mode=std_mode), adv_clip_max
-        )
+        advantages[selected] = normalised(subset, group_ids[selected])
     else:
         selected = torch.ones_like(advantages, dtype=torch.bool)
     per_rank = advantages.view(accelerator.num_processes, n_local)
     selected = selected.view_as(per_rank)
     keep = selected.clone()
-    if filter_zero_advantage:  # among the selected samples, which every rank holds as many of
+    if config.filter_zero_advantage:  # among the selected samples, which every rank holds as many of
         index = selected.nonzero()[:, 1].view(accelerator.num_processes, -1)
-        chosen = balanced_keep_mask(per_rank.gather(1, index), micro_batch_size)
+        chosen = balanced_keep_mask(per_rank.gather(1, index), config.micro_batch_size)
         keep = torch.zeros_like(selected).scatter_(1, index, chosen)
     scored = {n: raw[n][~raw[n].isnan()] for n in names}  # the samples each reward scored
     logs = {f"reward/{n}_mean": scored[n].mean().item() for n in names}

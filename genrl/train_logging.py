@@ -24,11 +24,11 @@ from genrl.data import PromptSet
 from genrl.ema import EMA
 from genrl.errors import SetupError
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
-from genrl.evaluation import EvalResult, evaluate, spread_indices
+from genrl.evaluation import EvalResult, EvalSettings, evaluate, spread_indices
 from genrl.nft import velocity_kl
 from genrl.policies.base import FlowPolicy
 from genrl.reward_watch import RewardWatch, group_diversity
-from genrl.rollout import SamplingConfig, sample_rollout
+from genrl.rollout import sample_rollout
 
 logger = get_logger(__name__)
 
@@ -87,24 +87,17 @@ def log_eval_samples(accelerator, result: EvalResult, output_dir: str, step: int
 @dataclass(frozen=True)
 class EvalPlan:
     """What the in-training evaluation runs (the ``--eval_*`` flags): ``prompts`` scored by
-    ``reward_fn``, sampled as ``config`` says (deterministic), ``batch_size`` prompts per batch
-    (all processes together), at most ``max_batches`` batches, noise from ``seed``,
-    ``samples_per_prompt`` noise draws of each prompt (``--eval_samples_per_prompt``);
-    ``keep_samples`` samples go to the grid, MP4s at ``video_fps``. The reward watch's probe:
-    ``probe_prompts`` prompts spread over the set (0: none), ``probe_samples`` samples each
+    ``reward_fn``, sampled and kept as ``settings`` says (deterministic; ``keep_samples`` of
+    them go to the grid, MP4s at ``video_fps``). The reward watch's probe: ``probe_prompts``
+    prompts spread over the set (0: none), ``probe_samples`` samples each
     (``--eval_diversity_prompts``, ``--eval_diversity_samples``)."""
 
     prompts: PromptSet
     reward_fn: Callable
-    config: SamplingConfig
-    seed: int
-    batch_size: int
-    max_batches: int
-    keep_samples: int
+    settings: EvalSettings
     video_fps: float
     probe_prompts: int = 0
     probe_samples: int = 4
-    samples_per_prompt: int = 1
 
 
 @torch.no_grad()
@@ -119,7 +112,7 @@ def watch_probe(
     probe (lockstep under ZeRO-3); the values are the same on every process."""
     if not plan.probe_prompts or len(plan.prompts) == 0:
         return {}
-    config = dataclasses.replace(plan.config, noise_level=0.0, same_latent=False)
+    config = dataclasses.replace(plan.settings.config, noise_level=0.0, same_latent=False)
     k = plan.probe_samples
     drifts = []
 
@@ -130,8 +123,8 @@ def watch_probe(
 
     groups = []
     for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
-        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.seed, epoch=0,
-                                 config=config, device=device, on_step=measure_drift if reference else None)
+        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.settings.seed,
+                                 epoch=0, config=config, device=device, on_step=measure_drift if reference else None)
         groups.append(rollout.samples)
     values = {"eval/diversity": group_diversity(torch.stack(groups))}
     if drifts:
@@ -162,12 +155,8 @@ def evaluate_and_log(
         return {}
     model.eval()
     with ema.swapped_in() if ema is not None else nullcontext():
-        result = evaluate(
-            policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
-            max_batches=plan.max_batches, config=plan.config, device=accelerator.device, accelerator=accelerator,
-            metadata=plan.prompts.metadata, keep_samples=plan.keep_samples, show_progress=False,
-            samples_per_prompt=plan.samples_per_prompt,
-        )
+        result = evaluate(policy, model, plan.prompts, plan.reward_fn, plan.settings, accelerator=accelerator,
+                          show_progress=False)
         probe = watch_probe(plan, policy, model, accelerator.device, reference)
     values = result.log_dict("eval")
     values.update(probe)
