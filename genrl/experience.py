@@ -12,19 +12,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from genrl.advantages import (
     balanced_keep_mask, clip_advantages, combine_rewards, fill_abstentions, max_variance_subset, zero_std_ratio,
 )
-from genrl.data import PromptSet
-from genrl.nan_guard import NonFiniteGuard
-from genrl.policies.base import FlowPolicy
 from genrl.preemption import Preempted
-from genrl.rewards import RewardFn, RewardScorer, cached_reward_models, on_device
-from genrl.rollout import Rollout, SamplingConfig, concat_rollouts, sample_rollout
+from genrl.rewards import RewardScorer, cached_reward_models, on_device
+from genrl.rollout import Rollout, concat_rollouts, sample_rollout
+
+if TYPE_CHECKING:
+    from genrl.run import Run
 
 
 @dataclass
@@ -42,42 +42,30 @@ class ScoredRollouts:
     timings: dict[str, float]
 
 
-def collect_rollouts(
-    policy: FlowPolicy,
-    model: torch.nn.Module,
-    prompt_set: PromptSet,
-    batches: Sequence[Sequence[tuple[int, int]]],
-    reward_fn: RewardFn,
-    *,
-    accelerator,
-    guard: NonFiniteGuard,
-    config: SamplingConfig,
-    seed: int,
-    epoch: int,
-    global_step: int,
-    reward_mode: str,
-    reward_workers: int,
-    stop: Callable[[], bool] | None = None,
-) -> ScoredRollouts:
-    """Phases 1-4: sample every batch of ``(prompt index, index in its group)`` pairs, stop on
-    non-finite samples before any reward sees them, and score them: ``reward_mode`` "async"
-    scores batch i in ``reward_workers`` threads while batch i + 1 denoises; "sync" scores all
-    of them at the end, with the cached reward models moved onto the training device.
+def collect_rollouts(run: Run, epoch: int, *, stop: Callable[[], bool] | None = None) -> ScoredRollouts:
+    """Phases 1-4: sample every batch of ``(prompt index, index in its group)`` pairs the run's
+    sampler gives this process in ``epoch`` with the trained transformer as it is (the caller
+    swaps a sampling policy in), stop on non-finite samples before any reward sees them, and
+    score them with ``run.reward_fn``: ``--reward_mode`` "async" scores batch i in
+    ``--reward_workers`` threads while batch i + 1 denoises; "sync" scores all of them at the
+    end, with the cached reward models moved onto the training device.
 
     ``stop`` (every rank calls it before each batch, so it may be a collective): when it returns
     True the epoch's samples are dropped and :class:`~genrl.preemption.Preempted` is raised."""
+    accelerator, prompt_set, reward_fn, reward_mode = run.accelerator, run.train_set, run.reward_fn, run.args.reward_mode
     device = accelerator.device
     t0 = time.perf_counter()
-    scorer = RewardScorer(reward_fn, mode=reward_mode, max_workers=reward_workers)
+    scorer = RewardScorer(reward_fn, mode=reward_mode, max_workers=run.args.reward_workers)
     rollouts = []
-    for batch in batches:
+    for batch in run.sampler.batches(epoch):
         if stop is not None and stop():
             scorer.close()  # batches still queued are cancelled, the one being scored finishes
             raise Preempted(f"stopped in the rollouts of epoch {epoch}")
         prompts = [prompt_set.prompts[i] for i, _ in batch]
         metadata = [prompt_set.metadata[i] for i, _ in batch]
-        rollout = sample_rollout(policy, model, prompts, [k for _, k in batch], seed=seed, epoch=epoch, config=config, device=device)
-        guard.check_samples(accelerator, rollout.samples, epoch, global_step)  # before any reward sees them
+        rollout = sample_rollout(run.policy, run.model, prompts, [k for _, k in batch], seed=run.args.seed, epoch=epoch,
+                                 config=run.sampling, device=device)
+        run.guard.check_samples(accelerator, rollout.samples, epoch, run.global_step)  # before any reward sees them
         scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
         rollouts.append(rollout)
     timings = {"time/decode_s": sum(r.decode_seconds for r in rollouts)}
@@ -111,6 +99,25 @@ class EpochAdvantages:
     advantages: torch.Tensor
     kept: torch.Tensor
     logs: dict[str, float]
+
+
+@dataclass
+class EpochExperience:
+    """One epoch's experience on this process: what its update trains on, and what its logs
+    report of how it was gathered.
+
+    epoch: the epoch; step_at_epoch_start: the optimizer step it started at.
+    rollout: this process's samples of the epoch (``ScoredRollouts.rollout``).
+    advantages: their advantages, the kept samples and the epoch's reward logs.
+    timings: the ``time/*`` of its rollouts; rollout_flops: their FLOPs (None: not counted).
+    """
+
+    epoch: int
+    step_at_epoch_start: int
+    rollout: Rollout
+    advantages: EpochAdvantages
+    timings: dict[str, float]
+    rollout_flops: float | None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import cv2
 import torch
@@ -21,7 +21,6 @@ from tqdm.auto import tqdm
 
 from genrl.console import eval_line
 from genrl.data import PromptSet
-from genrl.ema import EMA
 from genrl.errors import SetupError
 from genrl.eval_outputs import compact_scores, save_image_grid, save_videos, score_caption
 from genrl.evaluation import EvalResult, EvalSettings, evaluate, spread_indices
@@ -29,6 +28,9 @@ from genrl.nft import velocity_kl
 from genrl.policies.base import FlowPolicy
 from genrl.reward_watch import RewardWatch, group_diversity
 from genrl.rollout import sample_rollout
+
+if TYPE_CHECKING:
+    from genrl.run import Run
 
 logger = get_logger(__name__)
 
@@ -132,38 +134,27 @@ def watch_probe(
     return values
 
 
-def evaluate_and_log(
-    plan: EvalPlan | None,
-    policy: FlowPolicy,
-    model: torch.nn.Module,
-    accelerator,
-    *,
-    ema: EMA | None,
-    output_dir: str,
-    metrics_path: str,
-    step: int,
-    epoch: int,
-    launch_time: float,
-    reference: Callable[[], ContextManager] | None = None,
-) -> dict[str, float]:
-    """Bounded deterministic evaluation (the EMA weights when kept) at optimizer step ``step``:
-    ``eval/<reward>_mean`` and ``_std``, the watch probe's ``eval/diversity`` (and with a
-    ``reference`` ``eval/velocity_kl``, see ``watch_probe``), and ``time/elapsed_s``, counted
-    from ``launch_time``, logged and returned; the sample grid written, one line printed above
-    the progress bar. No plan (no evaluation prompts): nothing, ``{}``."""
+def evaluate_and_log(run: Run, *, step: int, epoch: int) -> dict[str, float]:
+    """Bounded deterministic evaluation of ``run.eval_plan`` (the EMA weights when kept) at
+    optimizer step ``step``: ``eval/<reward>_mean`` and ``_std``, the watch probe's
+    ``eval/diversity`` (and with a reference policy ``eval/velocity_kl``, see ``watch_probe``),
+    and ``time/elapsed_s``, counted from ``run.launch_time``, logged and returned; the sample
+    grid written, one line printed above the progress bar. No plan (no evaluation prompts):
+    nothing, ``{}``."""
+    plan, policy, model, accelerator, ema = run.eval_plan, run.policy, run.model, run.accelerator, run.ema
     if plan is None:
         return {}
     model.eval()
     with ema.swapped_in() if ema is not None else nullcontext():
         result = evaluate(policy, model, plan.prompts, plan.reward_fn, plan.settings, accelerator=accelerator,
                           show_progress=False)
-        probe = watch_probe(plan, policy, model, accelerator.device, reference)
+        probe = watch_probe(plan, policy, model, accelerator.device, run.reference())
     values = result.log_dict("eval")
     values.update(probe)
-    values["time/elapsed_s"] = time.perf_counter() - launch_time
-    log_metrics(accelerator, metrics_path, values, step=step, epoch=epoch)
+    values["time/elapsed_s"] = time.perf_counter() - run.launch_time
+    log_metrics(accelerator, run.metrics_path, values, step=step, epoch=epoch)
     if accelerator.is_main_process and result.samples is not None:
-        log_eval_samples(accelerator, result, output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
+        log_eval_samples(accelerator, result, run.args.output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
     if accelerator.is_main_process:
         tqdm.write(eval_line(step, values))  # above the progress bar, which stays at the bottom
     return values
