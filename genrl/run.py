@@ -20,10 +20,12 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Callable, ContextManager
+from typing import Any, Callable, ContextManager
 
 import torch
+from accelerate import Accelerator
 from accelerate.logging import get_logger
+from tqdm.auto import tqdm
 
 from diffusers.optimization import get_scheduler
 from genrl.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
@@ -96,14 +98,14 @@ class Run:
     """
 
     args: argparse.Namespace
-    accelerator: object
+    accelerator: Accelerator
     schedule: RunSchedule
     train_set: PromptSet
     sampler: PromptGroupSampler
     policy: FlowPolicy
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
-    lr_scheduler: object
+    lr_scheduler: Any  # Accelerate's wrapper of a diffusers scheduler
     ema: EMA | None
     sampling_policy: EMA | None
     frozen_reference: torch.nn.Module | None
@@ -129,7 +131,7 @@ class Run:
     last_eval: dict = field(default_factory=dict)
     checkpoint_pushes: list = field(default_factory=list)
     watch: RewardWatch | None = None
-    progress: object = None
+    progress: tqdm | None = None
     preemption: PreemptionWatch | None = None
 
     @property
@@ -229,7 +231,7 @@ def load_data(args: argparse.Namespace) -> tuple[PromptSet, PromptSet | None]:
     return train_set, eval_set
 
 
-def start_accelerator(args: argparse.Namespace, held: ExitStack | None) -> tuple[object, bool]:
+def start_accelerator(args: argparse.Namespace, held: ExitStack | None) -> tuple[Accelerator, bool]:
     """The Accelerator (DeepSpeed configured), the logs, the output folder locked for this run,
     the CPU threads, and the attention backend probed; also whether the nodes write their own
     checkpoints (``--output_dir`` on node-local disks)."""
@@ -338,7 +340,9 @@ def speed_levers(
     return TransformerTally(transformers, flop_cost)
 
 
-def build_optimizer(args: argparse.Namespace, accelerator, trainable: list[torch.nn.Parameter]) -> tuple[torch.optim.Optimizer, object]:
+def build_optimizer(
+    args: argparse.Namespace, accelerator: Accelerator, trainable: list[torch.nn.Parameter]
+) -> tuple[torch.optim.Optimizer, Any]:
     """AdamW over ``trainable`` and its learning-rate scheduler. On a GPU one fused kernel takes
     the AdamW step (unfused, the step of 1.4 B fp32 parameters was 6% of a Wan 1.3B PPO step on
     an H200); on the CPU torch's default."""
