@@ -93,7 +93,7 @@ class Run:
     checkpoint interrupted (finished first); ``last_eval`` the last evaluation's values;
     ``checkpoint_pushes`` the futures of background checkpoint uploads (main process).
 
-    Set when training starts (``start_training``): the reward-hacking ``watch``, the
+    Set when training starts (train_genrl.py's ``main``): the reward-hacking ``watch``, the
     ``progress`` bar over the optimizer steps, the ``preemption`` watch of stop signals.
     """
 
@@ -136,6 +136,7 @@ class Run:
 
     @property
     def device(self) -> torch.device:
+        """This process's training device."""
         return self.accelerator.device
 
     def reference(self) -> Callable[[], ContextManager[torch.nn.Module]] | None:
@@ -176,14 +177,7 @@ def build_run(args: argparse.Namespace, held: ExitStack | None = None) -> Run:
         logger.warning(repeats)
 
     policy = load_base_policy(args, accelerator)
-    with zero_init_disabled():  # reward models are never sharded
-        reward_options = load_reward_options(args.reward_options)
-        # In sync mode reward models wait on the CPU and visit the training device to score.
-        reward_device = "cpu" if args.reward_mode == "sync" else args.reward_device
-        build_rewards = partial(build_reward_fn, args.reward_fn, device=reward_device, options=reward_options)
-        reward_fn = build_rewards()
-        eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=reward_device,
-                                              options=reward_options)
+    reward_fn, eval_reward_fn, build_rewards = load_rewards(args)
     frozen_reference, trainable = reference_and_trainable(args, accelerator, policy)
     sampling, eval_sampling = sampling_configs(args)
     # One expert of two: its own steps only (the window of GRPO's recorded steps, the noise levels nft and awm draw).
@@ -194,13 +188,6 @@ def build_run(args: argparse.Namespace, held: ExitStack | None = None) -> Run:
     optimizer, lr_scheduler = build_optimizer(args, accelerator, trainable)
     model, optimizer, lr_scheduler, ema, sampling_policy = prepare_trained(args, accelerator, policy, optimizer, lr_scheduler)
 
-    eval_plan = None if eval_set is None else EvalPlan(
-        eval_set, eval_reward_fn, EvalSettings(
-            eval_sampling, seed=args.eval_seed, batch_size=args.eval_batch_size, max_batches=args.eval_max_batches,
-            keep_samples=args.eval_log_samples, samples_per_prompt=args.eval_samples_per_prompt,
-        ),
-        video_fps=args.eval_video_fps, probe_prompts=args.eval_diversity_prompts, probe_samples=args.eval_diversity_samples,
-    )
     # The token lives on in args.hub_token for the push alone: the command line and the
     # arguments are recorded redacted (config, card, trackers), and libraries that read
     # sys.argv themselves (wandb records it) see it redacted too.
@@ -212,7 +199,7 @@ def build_run(args: argparse.Namespace, held: ExitStack | None = None) -> Run:
         frozen_reference=frozen_reference, reward_fn=reward_fn, build_rewards=build_rewards,
         reward_weights=dict(zip(reward_fn.names, reward_fn.weights)), sampling=sampling,
         update_config=update_config(args, schedule, train_sigma_range), advantage_config=advantage_config(args),
-        eval_plan=eval_plan, tally=tally, guard=NonFiniteGuard(args.learning_rate), identity=identity, record=record,
+        eval_plan=None if eval_set is None else eval_plan(args, eval_set, eval_reward_fn, eval_sampling), tally=tally, guard=NonFiniteGuard(args.learning_rate), identity=identity, record=record,
         node_local=node_local, resume_path=resume_path,
         metrics_path=os.path.join(args.output_dir, args.logging_dir, "metrics.jsonl"), launch_time=launch_time,
     )
@@ -299,6 +286,20 @@ def load_base_policy(args: argparse.Namespace, accelerator) -> FlowPolicy:
     if zero3_init_requested(plugin):
         logger.info(describe_partitioned_build(policy.transformer), main_process_only=False)
     return policy
+
+
+def load_rewards(args: argparse.Namespace) -> tuple[RewardFn, RewardFn, Callable[[], RewardFn]]:
+    """``(reward_fn, eval_reward_fn, build)``: the trained rewards, those the evaluation scores
+    (the trained ones where ``--eval_reward_fn`` names no others), and what builds the trained
+    ones again after ``--reward_clear_before_train`` freed them. Reward models are never sharded;
+    in sync mode they wait on the CPU and visit the training device to score."""
+    with zero_init_disabled():
+        options = load_reward_options(args.reward_options)
+        device = "cpu" if args.reward_mode == "sync" else args.reward_device
+        build = partial(build_reward_fn, args.reward_fn, device=device, options=options)
+        reward_fn = build()
+        eval_reward_fn = build_eval_reward_fn(args.eval_reward_fn, args.reward_fn, reward_fn, device=device, options=options)
+    return reward_fn, eval_reward_fn, build
 
 
 def reference_and_trainable(
@@ -404,6 +405,14 @@ def advantage_config(args: argparse.Namespace) -> AdvantageConfig:
         micro_batch_size=args.train_batch_size * args.gradient_accumulation_steps,
         train_samples_per_group=args.train_samples_per_group,
     )
+
+
+def eval_plan(args: argparse.Namespace, prompts: PromptSet, reward_fn: RewardFn, sampling: SamplingConfig) -> EvalPlan:
+    """The in-training evaluation of ``prompts``, from the ``--eval_*`` flags."""
+    settings = EvalSettings(sampling, seed=args.eval_seed, batch_size=args.eval_batch_size, max_batches=args.eval_max_batches,
+                            keep_samples=args.eval_log_samples, samples_per_prompt=args.eval_samples_per_prompt)
+    return EvalPlan(prompts, reward_fn, settings, video_fps=args.eval_video_fps, probe_prompts=args.eval_diversity_prompts,
+                    probe_samples=args.eval_diversity_samples)
 
 
 def resume(run: Run) -> None:
