@@ -34,11 +34,11 @@ from genrl.acceleration import (
     check_attention_backend_name, compile_repeated_blocks, probe_attention_backend, set_attention_backend,
 )
 from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
-from genrl.data import load_prompts
+from genrl.data import PromptSet, load_prompts
 from genrl.distributed import build_accelerator, check_mixed_precision, end_processes, zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.eval_outputs import save_comparison, save_eval_outputs
-from genrl.evaluation import evaluate
+from genrl.evaluation import EvalResult, EvalSettings, evaluate
 from genrl.output_lock import lock_output_dir
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn, check_reward_options
@@ -200,10 +200,11 @@ def trained_settings(path: str | None) -> dict:
     return {k: v for k, v in settings.items() if v is not None}
 
 
-def evaluate_model(path, args, accelerator, prompt_set, reward_fn, config):
+def evaluate_model(path, args, accelerator, prompts: PromptSet, reward_fn, config: SamplingConfig) -> EvalResult:
+    """``prompts`` evaluated with the model at ``path`` (loaded, sampled, then freed), as the flags say."""
     dtype = WEIGHT_DTYPES[args.mixed_precision]
     policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype,
-                        max_sequence_length=args.max_sequence_length, image_conditioned=prompt_set.images is not None)
+                        max_sequence_length=args.max_sequence_length, image_conditioned=prompts.images is not None)
     policy.to(accelerator.device)  # text encoders and VAE were loaded in dtype
     policy.transformer.to(accelerator.device)
     if dtype != torch.float32:
@@ -212,22 +213,10 @@ def evaluate_model(path, args, accelerator, prompt_set, reward_fn, config):
         set_attention_backend([policy.transformer], args.attention_backend, device=accelerator.device, dtype=dtype)
     if args.compile:
         compile_repeated_blocks(policy.transformer, fullgraph=True)
-    result = evaluate(
-        policy,
-        policy.transformer,
-        prompt_set.prompts,
-        reward_fn,
-        seed=args.seed,
-        batch_size=args.batch_size,
-        max_batches=args.max_batches or None,
-        config=config,
-        device=accelerator.device,
-        accelerator=accelerator,
-        metadata=prompt_set.metadata,
-        keep_samples=None if args.save_samples == -1 else args.save_samples,
-        samples_per_prompt=args.samples_per_prompt,
-        images=prompt_set.images,
-    )
+    settings = EvalSettings(config, seed=args.seed, batch_size=args.batch_size, max_batches=args.max_batches or None,
+                            keep_samples=None if args.save_samples == -1 else args.save_samples,
+                            samples_per_prompt=args.samples_per_prompt)
+    result = evaluate(policy, policy.transformer, prompts, reward_fn, settings, accelerator=accelerator)
     result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
     del policy
     gc.collect()

@@ -336,6 +336,7 @@ def run_plan(run_dir: str, draws: int):
     from genrl.data import load_prompts
     from genrl.rewards import build_reward_fn
     from genrl.train_args import sampling_configs
+    from genrl.evaluation import EvalSettings
     from genrl.train_logging import EvalPlan
 
     with open(os.path.join(run_dir, CONFIG_FILE)) as f:
@@ -343,8 +344,9 @@ def run_plan(run_dir: str, draws: int):
     run = argparse.Namespace(**config["args"])
     _, sampling = sampling_configs(run)
     prompts = load_prompts(run.eval_prompt_dataset, split=run.eval_split, prompt_column=run.prompt_column)
-    plan = EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), sampling, seed=run.eval_seed, batch_size=run.eval_batch_size,
-                    max_batches=run.eval_max_batches, keep_samples=0, video_fps=run.eval_video_fps, samples_per_prompt=draws)
+    settings = EvalSettings(sampling, seed=run.eval_seed, batch_size=run.eval_batch_size, max_batches=run.eval_max_batches,
+                            keep_samples=0, samples_per_prompt=draws)
+    plan = EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), settings, video_fps=run.eval_video_fps)
     return config["base_model"], plan
 
 
@@ -357,15 +359,15 @@ def guided_sweep(policy, plan, guidance_scales) -> dict:
     from genrl.train_logging import evaluate_plan
 
     def score(config) -> list[float]:
-        metrics = evaluate_plan(plan, policy, policy.transformer, "cpu", config=config).metrics
+        metrics = evaluate_plan(plan, policy, policy.transformer, device="cpu", config=config).metrics
         return [config.guidance_scale, metrics["toy_geneval"]["mean"], metrics[STRICT]["mean"]]
 
-    sweep = [score(dataclasses.replace(plan.config, guidance_scale=g))
-             for g in sorted({*map(float, guidance_scales), plan.config.guidance_scale})]
-    defaults = at_pipeline_defaults(plan.config, policy.pipeline)
+    sweep = [score(dataclasses.replace(plan.settings.config, guidance_scale=g))
+             for g in sorted({*map(float, guidance_scales), plan.settings.config.guidance_scale})]
+    defaults = at_pipeline_defaults(plan.settings.config, policy.pipeline)
     _, mean, strict = score(defaults)
-    trained = next(row for row in sweep if row[0] == plan.config.guidance_scale)
-    return {"sample_steps": plan.config.num_inference_steps, **sweep_summary(sweep, trained),
+    trained = next(row for row in sweep if row[0] == plan.settings.config.guidance_scale)
+    return {"sample_steps": plan.settings.config.num_inference_steps, **sweep_summary(sweep, trained),
             "defaults_steps": defaults.num_inference_steps, "defaults_cfg": defaults.guidance_scale,
             "defaults": mean, "defaults_strict": strict}
 
@@ -463,7 +465,9 @@ def sweep_models(args, curves: dict[str, list[dict]]) -> tuple[dict, dict[str, l
         for curve in seeds:
             run_dir = curve["run_dir"]
             base_model, plan = run_plan(run_dir, draws)
-            key = json.dumps([base_model, dataclasses.asdict(plan.config), plan.seed, plan.batch_size, plan.max_batches])
+            settings = plan.settings
+            key = json.dumps([base_model, dataclasses.asdict(settings.config), settings.seed, settings.batch_size,
+                              settings.max_batches])
             if key not in swept:
                 swept[key] = emit({"bench": "learning", "model": "base", "path": base_model,
                                    **guided_sweep(load_trained_policy(base_model), plan, args.guidance_sweep)})
@@ -499,12 +503,12 @@ def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None,
                     guidance_scale: float | None = None, samples_per_prompt: int = 1) -> list[float]:
     """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it
     (the mean over ``samples_per_prompt`` noises, ``genrl.evaluation.draw_seed``)."""
-    from genrl.evaluation import evaluate
+    from genrl.evaluation import EvalSettings, evaluate
 
     prompts, reward_fn, config, run = eval_setting(batches, guidance_scale)
-    result = evaluate(policy, policy.transformer, prompts.prompts, reward_fn, seed=seed, batch_size=run["eval_batch_size"],
-                      max_batches=run["eval_max_batches"], config=config, device="cpu", metadata=prompts.metadata,
-                      keep_samples=0, samples_per_prompt=samples_per_prompt)
+    settings = EvalSettings(config, seed=seed, batch_size=run["eval_batch_size"], max_batches=run["eval_max_batches"],
+                            keep_samples=0, samples_per_prompt=samples_per_prompt)
+    result = evaluate(policy, policy.transformer, prompts, reward_fn, settings, device="cpu")
     return [r["scores"]["toy_geneval"] for r in result.per_prompt]
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 import shlex
 import shutil
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from genrl.policies import FlowPolicy, load_policy
 from genrl.redact import redact_args
 from genrl.safe_load import load_weights_only, verify_checkpoint
 from genrl.update_checkpoint import EXPERIENCE_DIR, UpdateInProgress, save_update_in_progress
+
+if TYPE_CHECKING:
+    from genrl.run import Run
 
 CONFIG_FILE = "genrl_config.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -385,43 +388,31 @@ def export_model(
 
 
 def save_checkpoint(
-    accelerator,
-    model: torch.nn.Module,
-    policy: FlowPolicy,
-    output_dir: str,
-    *,
-    global_step: int,
-    epoch: int,
-    config: dict[str, Any],
-    use_lora: bool,
-    ema: EMA | None = None,
-    total_limit: int | None = None,
-    run: dict[str, Any] | None = None,
-    sampling_policy: EMA | None = None,
-    node_local: bool = False,
-    in_progress: UpdateInProgress | None = None,
+    run: Run, *, global_step: int, epoch: int, total_limit: int | None = None, in_progress: UpdateInProgress | None = None
 ) -> str:
-    """Save everything needed to resume after ``epoch`` (and an export for evaluation); with
-    ``in_progress``, also this rank's part of the next epoch, whose update stopped part-way
+    """Save everything needed to resume ``run`` after ``epoch`` at optimizer step
+    ``global_step`` (and an export for evaluation) into ``--output_dir``; with ``in_progress``,
+    also this rank's part of the next epoch, whose update stopped part-way
     (:mod:`genrl.update_checkpoint`), so that the resumed run finishes it.
     Written to ``checkpoint-<step>.tmp`` and renamed when every rank's files are in; only then are
     the oldest checkpoints pruned to ``total_limit`` (None: the caller prunes later,
-    :func:`prune_checkpoints`). ``run`` (:func:`run_identity`) is recorded in
+    :func:`prune_checkpoints`). The run's identity (:func:`run_identity`) is recorded in
     ``genrl_state.json``, so that only the same run resumes it, with the distributed format and
-    the per-rank folders. ``node_local``: each node completes its own copy
+    the per-rank folders. With ``run.node_local`` each node completes its own copy
     (:mod:`genrl.node_storage`). Returns the path.
 
     Raises:
         CheckpointSaveError: writing failed (a full disk is named as such); the ``.tmp`` was
             removed and the earlier checkpoints are untouched.
     """
+    accelerator, output_dir, ema, identity = run.accelerator, run.args.output_dir, run.ema, run.identity
     final = os.path.join(output_dir, f"checkpoint-{global_step}")
     tmp = final + ".tmp"
-    writer = checkpoint_writer(accelerator, node_local)
+    writer = checkpoint_writer(accelerator, run.node_local)
     if writer:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run killed while saving
     accelerator.wait_for_everyone()
-    shadows = [(EMA_DIR, ema), (SAMPLING_POLICY_DIR, sampling_policy)]  # each rank's own state
+    shadows = [(EMA_DIR, ema), (SAMPLING_POLICY_DIR, run.sampling_policy)]  # each rank's own state
     try:
         accelerator.save_state(tmp)
         for folder, shadow in shadows:
@@ -430,7 +421,7 @@ def save_checkpoint(
                 torch.save(shadow.state_dict(), os.path.join(tmp, folder, f"rank{accelerator.process_index}.pt"))
         if in_progress is not None:
             save_update_in_progress(tmp, accelerator.process_index, in_progress)
-        export_model(accelerator, model, policy, tmp, config=config, use_lora=use_lora, ema=ema)
+        export_model(accelerator, run.model, run.policy, tmp, config=run.record, use_lora=run.args.use_lora, ema=ema)
         accelerator.wait_for_everyone()  # every rank's files are in before the folder is complete
         if writer:
             state = {"global_step": global_step, "epoch": epoch, "num_processes": accelerator.num_processes,
@@ -440,7 +431,7 @@ def save_checkpoint(
                 state["per_rank_dirs"].append(EXPERIENCE_DIR)
                 state["update_in_progress"] = {"epoch": in_progress.epoch, "micro_steps": in_progress.update.micro_steps}
             with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({**state, "run": run} if run is not None else state, f)
+                json.dump({**state, "run": identity} if identity is not None else state, f)
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
     except Exception as err:

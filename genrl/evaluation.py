@@ -35,6 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from tqdm.auto import tqdm
 
+from genrl.data import PromptSet
 from genrl.policies.base import FlowPolicy
 from genrl.prompt_images import condition_preview
 from genrl.rewards.layouts import prepare_images_tensor
@@ -227,37 +228,55 @@ def _gather(records: list[SampleRecord], accelerator) -> list[SampleRecord]:
     return [record for part in gathered for record in part]
 
 
+@dataclass(frozen=True)
+class EvalSettings:
+    """How an evaluation samples and what it keeps.
+
+    config: the steps, guidance, size and negative prompt (its noise level and SDE settings are
+        ignored: sampling is the ODE).
+    seed: the noise of draw 0 (``draw_seed``).
+    batch_size: prompts per global batch (all processes together).
+    max_batches: the first this many global batches (None: every prompt).
+    keep_samples: how many samples to keep as uint8 in the result, spread evenly over the
+        evaluated prompts (``spread_indices``; None = all). Only kept samples cross processes;
+        keep it small for large videos.
+    samples_per_prompt: noise draws per prompt (``draw_seed``); the metrics are over all samples.
+    """
+
+    config: SamplingConfig
+    seed: int
+    batch_size: int
+    max_batches: int | None
+    keep_samples: int | None = None
+    samples_per_prompt: int = 1
+
+
 def evaluate(
     policy: FlowPolicy,
     transformer: torch.nn.Module,
-    prompts: list[str],
+    prompts: PromptSet,
     reward_fn: Callable[..., Mapping[str, torch.Tensor]],
+    settings: EvalSettings,
     *,
-    seed: int,
-    batch_size: int,
-    max_batches: int | None,
-    config: SamplingConfig,
-    device: torch.device | str,
+    device: torch.device | str | None = None,
     accelerator=None,
-    metadata: Sequence[Mapping] | None = None,
-    keep_samples: int | None = None,
     show_progress: bool = True,
-    samples_per_prompt: int = 1,
-    images: Sequence | None = None,
 ) -> EvalResult:
-    """Evaluate ``transformer`` (in ``policy``'s pipeline) on the first ``max_batches`` global
-    batches of ``prompts`` and score the samples with ``reward_fn``.
+    """Evaluate ``transformer`` (in ``policy``'s pipeline) on the first ``settings.max_batches``
+    global batches of ``prompts`` (their metadata goes to the rewards) and score the samples
+    with ``reward_fn``, as ``settings`` says.
 
     Call it on every process with the same arguments (it shards the batches itself); every
-    process gets the same ``EvalResult``. ``config`` gives the steps, guidance, size and
-    negative prompt; its noise level and SDE settings are ignored (sampling is the ODE).
-    ``keep_samples``: how many samples to keep as uint8 in the result, spread evenly over the
-    evaluated prompts (``spread_indices``; None = all). Only kept samples cross processes; keep
-    it small for large videos. ``show_progress``: a progress bar on the main process.
-    ``samples_per_prompt``: noise draws per prompt (``draw_seed``); the metrics are over all
-    samples. ``images``: the conditioning image of each prompt (image-to-video; kept samples keep
-    theirs in ``EvalResult.conditions``).
+    process gets the same ``EvalResult``. ``device``: where to sample (default: the
+    accelerator's). ``show_progress``: a progress bar on the main process. The conditioning image
+    of each prompt (``prompts.images``, image-to-video) goes with it; kept samples keep theirs in
+    ``EvalResult.conditions``.
     """
+    metadata, images = prompts.metadata or None, prompts.images
+    seed, batch_size, max_batches = settings.seed, settings.batch_size, settings.max_batches
+    keep_samples, samples_per_prompt = settings.keep_samples, settings.samples_per_prompt
+    device = accelerator.device if device is None else device
+    prompts = prompts.prompts
     if not prompts:
         raise ValueError("evaluate got an empty prompt list; give at least one prompt.")
     if metadata is not None and len(metadata) != len(prompts):
@@ -268,7 +287,7 @@ def evaluate(
         raise ValueError(f"keep_samples must be >= 0 or None (all); got {keep_samples}.")
     if samples_per_prompt < 1:
         raise ValueError(f"samples_per_prompt must be at least 1; got {samples_per_prompt}.")
-    config = dataclasses.replace(config, noise_level=0.0, sde_window_size=0)
+    config = dataclasses.replace(settings.config, noise_level=0.0, sde_window_size=0)
     batches = eval_batches(len(prompts), batch_size, max_batches)
     shown = set(spread_indices(sum(len(b) for b in batches), keep_samples))
     rank = accelerator.process_index if accelerator is not None else 0

@@ -11,6 +11,7 @@ import json
 import os
 import re
 import shutil
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
@@ -269,97 +270,125 @@ def _card_images(export_dir: str, sample_images: Iterable[str]) -> list[str]:
     return out
 
 
+@dataclass(frozen=True)
+class CardEvaluation:
+    """What a card reports of a run's evaluations.
+
+    metrics: the last evaluation: ``{reward: {"mean": m, "std": s}}`` (``EvalResult.metrics``),
+        its ``log_dict()`` (``{"eval/<reward>_mean": m, ...}``) or ``{reward: value}``; None
+        leaves the section out. With ``baseline`` (the same, before training) the section shows
+        both and the change.
+    baseline: the evaluation before training, in any form ``metrics`` takes.
+    steps: the optimizer steps of the two evaluations, for the column titles.
+    settings: the pipeline call's keyword arguments the scores were measured with
+        (:func:`sampling_settings`): the card states them first, its snippet samples with them,
+        and they are written to ``sampling_config.json``.
+    watch_alarms: the reward watch's ``(step, sentence)`` alarms (``RewardWatch.alarms``); None
+        (no evaluation ran) leaves the section out, empty says none was raised.
+    diversity_text: :func:`diversity_sentence`, shown in the watch's section.
+    defaults_text: :func:`pipeline_defaults_sentence`, stated with ``settings`` (without it the
+        card says the pipeline's defaults were not evaluated).
+    """
+
+    metrics: dict | None = None
+    baseline: dict | None = None
+    steps: tuple[int, int] | None = None
+    settings: dict | None = None
+    watch_alarms: Sequence[tuple[int, str]] | None = None
+    diversity_text: str = ""
+    defaults_text: str = ""
+
+
 def write_model_card(
     export_dir: str,
+    record: dict,
     *,
-    base_model: str,
-    reward_spec: str,
-    hyperparameters: dict,
-    eval_metrics: dict | None = None,
+    evaluation: CardEvaluation | None = None,
     sample_images: Sequence[str] = (),
-    launch_command: str = "",
-    tags: list[str] | None = None,
     repo_id: str | None = None,
     pipeline_tag: str | None = None,
-    baseline_metrics: dict | None = None,
-    eval_steps: tuple[int, int] | None = None,
-    objective: str = "grpo",
-    watch_alarms: Sequence[tuple[int, str]] | None = None,
-    settings: dict | None = None,
-    diversity_text: str = "",
-    defaults_text: str = "",
 ) -> str:
-    """Write ``export_dir/README.md`` and return its path; with ``settings``
-    (:func:`sampling_settings`) also ``export_dir/sampling_config.json``.
+    """Write ``export_dir/README.md`` and return its path; with ``evaluation.settings`` also
+    ``export_dir/sampling_config.json``.
 
     Args:
         export_dir: the export folder; a LoRA export is recognised by its
             ``pytorch_lora_weights.safetensors``.
-        base_model: the model fine-tuned (a Hub id goes into the card metadata; a local folder
-            is named by its folder name, since the Hub's ``base_model`` field must be an id).
-        reward_spec: the ``--reward_fn`` string, e.g. ``"hpsv3:1.0,videoalign_ta:0.5"``.
-        hyperparameters: the training arguments, shown as a table (LoRA / EMA settings only
-            when ``use_lora`` / ``use_ema`` is on).
-        eval_metrics: ``{reward: {"mean": m, "std": s}}`` (``EvalResult.metrics``), its
-            ``log_dict()`` (``{"eval/<reward>_mean": m, ...}``) or ``{reward: value}``; ``None``
-            leaves the section out. With ``baseline_metrics`` (the same, before training) the
-            section shows both and the change.
+        record: the run, as ``genrl_config.json`` records it (``genrl.checkpointing.run_record``):
+            ``base_model`` (a Hub id goes into the card metadata; a local folder is named by its
+            folder name, since the Hub's ``base_model`` field must be an id), ``reward_fn``
+            (the reward spec, e.g. ``"hpsv3:1.0,videoalign_ta:0.5"``), ``args`` (the training
+            arguments, shown as a table, LoRA / EMA settings only when ``use_lora`` /
+            ``use_ema`` is on; its ``objective``, default ``grpo``, is the method named in the
+            text and the tags), and optionally ``launch_command`` and ``family`` (a Hub tag).
+        evaluation: what the run's evaluations measured (:class:`CardEvaluation`; None: none ran).
         sample_images: image paths (relative to ``export_dir`` or absolute; outside ones are
             copied to ``export_dir/samples/``).
-        launch_command: the command line that trained it.
-        tags: extra Hub tags.
         repo_id: the Hub repo the card is pushed to; the usage snippet loads from it (else from
             ``export_dir``, and a local base model from its path).
         pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``.
-        baseline_metrics: the evaluation before training, in any form ``eval_metrics`` takes.
-        eval_steps: the optimizer steps of the two evaluations, for the column titles.
-        objective: the ``--objective`` trained with (``grpo``, ``nft``, ``awm``): the method named
-            in the text and the tags.
-        watch_alarms: the reward watch's ``(step, sentence)`` alarms (``RewardWatch.alarms``);
-            None (no evaluation ran) leaves the section out, empty says none was raised.
-        settings: the pipeline call's keyword arguments the scores were measured with: the card
-            states them first, its snippet samples with them, and they are written to
-            ``sampling_config.json``.
-        diversity_text: :func:`diversity_sentence`, shown in the watch's section.
-        defaults_text: :func:`pipeline_defaults_sentence`, stated with ``settings`` (without
-            it the card says the pipeline's defaults were not evaluated).
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
+    evaluation = evaluation or CardEvaluation()
     is_lora = os.path.isfile(os.path.join(export_dir, "pytorch_lora_weights.safetensors"))
+    base_model, objective = record["base_model"], record["args"].get("objective", "grpo")
     is_hub_id = bool(_HUB_ID.match(base_model)) and not os.path.exists(base_model)
-    base_name = _base_model_name(base_model, is_hub_id)
     card_tags = ["genrl", *METHOD_TAGS.get(objective, [objective]), "reinforcement-learning", "diffusers"]
     card_tags += ["lora"] if is_lora else []
-    card_tags += list(tags or [])
+    card_tags += [record["family"]] if record.get("family") else []
     card_data = ModelCardData(
         base_model=base_model if is_hub_id else None,
         library_name="diffusers",
         pipeline_tag=pipeline_tag,
         tags=card_tags,
     )
-    if settings:
+    if evaluation.settings:
         with open(os.path.join(export_dir, SAMPLING_FILE), "w") as f:
-            json.dump(settings, f, indent=2)
-    ode_solver = hyperparameters.get("ode_solver", "euler")
+            json.dump(evaluation.settings, f, indent=2)
     card = ModelCard.from_template(
         card_data,
         template_str=_TEMPLATE,
         title=f"{repo_id or os.path.basename(os.path.abspath(export_dir))}",
+        is_lora=is_lora,
+        images=_card_images(export_dir, sample_images),
+        **_model_fields(export_dir, record, is_hub_id, repo_id),
+        **_evaluation_fields(evaluation, record["args"].get("ode_solver", "euler")),
+        output_name="video" if pipeline_tag == "text-to-video" else "image",
+        output_attr="frames" if pipeline_tag == "text-to-video" else "images",
+        example_prompt="a photo of a cat" if pipeline_tag != "text-to-video" else "a cat walking in the snow",
+    )
+    path = os.path.join(export_dir, "README.md")
+    card.save(path)
+    return path
+
+
+def _model_fields(export_dir: str, record: dict, is_hub_id: bool, repo_id: str | None) -> dict:
+    """The template's fields of the base model, the method, the weights and the run's settings."""
+    base_model, objective = record["base_model"], record["args"].get("objective", "grpo")
+    base_name = _base_model_name(base_model, is_hub_id)
+    return dict(
         base_model_link=f"[{base_model}](https://huggingface.co/{base_model})" if is_hub_id else f"`{base_name}` (a local folder)",
         # Pushed: the base's local path means nothing elsewhere, so the snippet says where it goes.
         base_ref=base_model if is_hub_id else f"path/to/{base_name}" if repo_id else os.path.abspath(base_model),
         weights_ref=repo_id or os.path.abspath(export_dir),
-        reward_spec=reward_spec,
+        reward_spec=record["reward_fn"],
         method=METHOD_NAMES.get(objective, objective),
-        is_lora=is_lora,
-        eval_rows=_eval_rows(eval_metrics),
-        watch_alarms=None if watch_alarms is None else list(watch_alarms),
-        before_after_rows=_before_after_rows(baseline_metrics, eval_metrics),
-        before_label=f"before (step {eval_steps[0]})" if eval_steps else "before",
-        after_label=f"after (step {eval_steps[1]})" if eval_steps else "after",
-        images=_card_images(export_dir, sample_images),
-        launch_command=launch_command or "(not recorded)",
+        launch_command=record.get("launch_command") or "(not recorded)",
+        # a "|" would end a markdown table cell
+        hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in _used_hyperparameters(record["args"]).items()),
+    )
+
+
+def _evaluation_fields(evaluation: CardEvaluation, ode_solver: str) -> dict:
+    """The template's fields of the evaluation: the sampling settings, the scores, the watch."""
+    settings = evaluation.settings
+    return dict(
+        eval_rows=_eval_rows(evaluation.metrics),
+        watch_alarms=None if evaluation.watch_alarms is None else list(evaluation.watch_alarms),
+        before_after_rows=_before_after_rows(evaluation.baseline, evaluation.metrics),
+        before_label=f"before (step {evaluation.steps[0]})" if evaluation.steps else "before",
+        after_label=f"after (step {evaluation.steps[1]})" if evaluation.steps else "after",
         settings=settings or None,
         settings_text=_settings_text(settings) if settings else "",
         settings_file=SAMPLING_FILE,
@@ -367,59 +396,42 @@ def write_model_card(
         ode_note="" if ode_solver == "euler" else (
             f"Its evaluation integrated with genrl's `{ode_solver}` solver (`eval_genrl.py`); the diffusers pipeline "
             "integrates with Euler, which samples somewhat differently."),
-        output_name="video" if pipeline_tag == "text-to-video" else "image",
-        output_attr="frames" if pipeline_tag == "text-to-video" else "images",
-        example_prompt="a photo of a cat" if pipeline_tag != "text-to-video" else "a cat walking in the snow",
-        diversity_text=diversity_text,
-        defaults_text=defaults_text,
-        # a "|" would end a markdown table cell
-        hyperparameters=sorted((str(k), str(v).replace("|", "\\|")) for k, v in _used_hyperparameters(hyperparameters).items()),
+        diversity_text=evaluation.diversity_text,
+        defaults_text=evaluation.defaults_text,
     )
-    path = os.path.join(export_dir, "README.md")
-    card.save(path)
-    return path
 
 
 def write_run_card(
     export_dir: str,
     metrics_path: str,
-    run_config: dict,
+    record: dict,
     *,
-    objective: str,
     is_video: bool,
     last_eval: dict | None,
     sample_images: Sequence[str],
     repo_id: str | None = None,
     watch_alarms: Sequence[tuple[int, str]] | None = None,
 ) -> str:
-    """The card of a training run's final export: base model, rewards, family, settings and
-    launch command from ``run_config`` (what ``genrl_config.json`` records), and the held-out
+    """The card of a training run's final export: base model, rewards, family, objective, settings
+    and launch command from ``record`` (what ``genrl_config.json`` records), and the held-out
     score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
     ``eval/*`` values of the last evaluation, when the log holds none), with the base's and the
     final score at the pipeline's defaults where it logged them (``--eval_pipeline_defaults``),
     and the reward watch's ``watch_alarms``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
     defaults = first_and_last_eval(metrics_path, PIPELINE_DEFAULTS + "/")
-    args = run_config["args"]
-    return write_model_card(
-        export_dir,
-        base_model=run_config["base_model"],
-        reward_spec=run_config["reward_fn"],
-        hyperparameters=run_config["args"],
-        eval_metrics=evals[-1][1] if evals else last_eval or None,
-        baseline_metrics=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
-        eval_steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-        sample_images=sample_images,
-        launch_command=run_config["launch_command"],
-        tags=[run_config["family"]],
-        objective=objective,
-        repo_id=repo_id,
-        pipeline_tag="text-to-video" if is_video else "text-to-image",
-        watch_alarms=watch_alarms,
+    args = record["args"]
+    evaluation = CardEvaluation(
+        metrics=evals[-1][1] if evals else last_eval or None,
+        baseline=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
+        steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
         settings=sampling_settings(args, is_video),
+        watch_alarms=watch_alarms,
         diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
         if len(evals) > 1 else "",
         # Before training (step 0) and at the end: the base's and the export's figures.
         defaults_text=pipeline_defaults_sentence(next((v for step, v in defaults[:1] if step == 0), None),
                                                  next((v for step, v in defaults[-1:] if step > 0), None)),
     )
+    return write_model_card(export_dir, record, evaluation=evaluation, sample_images=sample_images, repo_id=repo_id,
+                            pipeline_tag="text-to-video" if is_video else "text-to-image")

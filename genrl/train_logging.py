@@ -11,7 +11,7 @@ import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, ContextManager
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import cv2
 import torch
@@ -21,15 +21,17 @@ from tqdm.auto import tqdm
 
 from genrl.console import eval_line
 from genrl.data import PromptSet
-from genrl.ema import EMA
 from genrl.errors import SetupError
 from genrl.eval_outputs import compact_scores, grid_cells, save_image_grid, save_videos, score_caption
-from genrl.evaluation import EvalResult, evaluate, spread_indices
+from genrl.evaluation import EvalResult, EvalSettings, evaluate, spread_indices
 from genrl.nft import velocity_kl
 from genrl.pipeline_defaults import LOG_PREFIX as PIPELINE_DEFAULTS, SETTING_KEYS, settings_text
 from genrl.policies.base import FlowPolicy
 from genrl.reward_watch import RewardWatch, group_diversity
 from genrl.rollout import SamplingConfig, sample_rollout
+
+if TYPE_CHECKING:
+    from genrl.run import Run
 
 logger = get_logger(__name__)
 
@@ -89,39 +91,34 @@ def log_eval_samples(accelerator, result: EvalResult, output_dir: str, step: int
 @dataclass(frozen=True)
 class EvalPlan:
     """What the in-training evaluation runs (the ``--eval_*`` flags): ``prompts`` scored by
-    ``reward_fn``, sampled as ``config`` says (deterministic), ``batch_size`` prompts per batch
-    (all processes together), at most ``max_batches`` batches, noise from ``seed``,
-    ``samples_per_prompt`` noise draws of each prompt (``--eval_samples_per_prompt``);
-    ``keep_samples`` samples go to the grid, MP4s at ``video_fps``. The reward watch's probe:
-    ``probe_prompts`` prompts spread over the set (0: none), ``probe_samples`` samples each
-    (``--eval_diversity_prompts``, ``--eval_diversity_samples``). ``pipeline_defaults``: ``config``
-    at the pipeline's own default steps and guidance (``genrl.pipeline_defaults``), where the
-    evaluations asked for it score too (``--eval_pipeline_defaults``); None: nowhere else."""
+    ``reward_fn``, sampled and kept as ``settings`` says (deterministic; ``keep_samples`` of
+    them go to the grid, MP4s at ``video_fps``). The reward watch's probe: ``probe_prompts``
+    prompts spread over the set (0: none), ``probe_samples`` samples each
+    (``--eval_diversity_prompts``, ``--eval_diversity_samples``). ``pipeline_defaults``: the
+    sampling at the pipeline's own default steps and guidance (``genrl.pipeline_defaults``), where
+    the evaluations asked for it score too (``--eval_pipeline_defaults``); None: nowhere else."""
 
     prompts: PromptSet
     reward_fn: Callable
-    config: SamplingConfig
-    seed: int
-    batch_size: int
-    max_batches: int
-    keep_samples: int
+    settings: EvalSettings
     video_fps: float
     probe_prompts: int = 0
     probe_samples: int = 4
-    samples_per_prompt: int = 1
     pipeline_defaults: SamplingConfig | None = None
 
 
-def evaluate_plan(plan: EvalPlan, policy: FlowPolicy, model: torch.nn.Module, device, *, accelerator=None,
+def evaluate_plan(plan: EvalPlan, policy: FlowPolicy, model: torch.nn.Module, *, accelerator=None, device=None,
                   config: SamplingConfig | None = None, keep_samples: int | None = None) -> EvalResult:
     """``evaluate`` on the plan's prompts, reward, noise and batches, sampled as ``config`` says
-    (default: the plan's own), keeping ``keep_samples`` samples (default: the plan's)."""
-    return evaluate(
-        policy, model, plan.prompts.prompts, plan.reward_fn, seed=plan.seed, batch_size=plan.batch_size,
-        max_batches=plan.max_batches, config=config or plan.config, device=device, accelerator=accelerator,
-        metadata=plan.prompts.metadata, keep_samples=plan.keep_samples if keep_samples is None else keep_samples,
-        show_progress=False, samples_per_prompt=plan.samples_per_prompt, images=plan.prompts.images,
-    )
+    (default: the plan's own), keeping ``keep_samples`` samples (default: the plan's), on
+    ``device`` (default: the accelerator's)."""
+    settings = plan.settings
+    if config is not None:
+        settings = dataclasses.replace(settings, config=config)
+    if keep_samples is not None:
+        settings = dataclasses.replace(settings, keep_samples=keep_samples)
+    return evaluate(policy, model, plan.prompts, plan.reward_fn, settings, device=device, accelerator=accelerator,
+                    show_progress=False)
 
 
 @torch.no_grad()
@@ -136,7 +133,7 @@ def watch_probe(
     probe (lockstep under ZeRO-3); the values are the same on every process."""
     if not plan.probe_prompts or len(plan.prompts) == 0:
         return {}
-    config = dataclasses.replace(plan.config, noise_level=0.0, same_latent=False)
+    config = dataclasses.replace(plan.settings.config, noise_level=0.0, same_latent=False)
     k = plan.probe_samples
     drifts = []
 
@@ -148,8 +145,9 @@ def watch_probe(
     groups = []
     for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
         images = [plan.prompts.images[i]] * k if plan.prompts.images is not None else None
-        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.seed, epoch=0,
-                                 config=config, device=device, on_step=measure_drift if reference else None, images=images)
+        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.settings.seed,
+                                 epoch=0, config=config, device=device, on_step=measure_drift if reference else None,
+                                 images=images)
         groups.append(rollout.samples)
     values = {"eval/diversity": group_diversity(torch.stack(groups))}
     if drifts:
@@ -157,45 +155,33 @@ def watch_probe(
     return values
 
 
-def evaluate_and_log(
-    plan: EvalPlan | None,
-    policy: FlowPolicy,
-    model: torch.nn.Module,
-    accelerator,
-    *,
-    ema: EMA | None,
-    output_dir: str,
-    metrics_path: str,
-    step: int,
-    epoch: int,
-    launch_time: float,
-    reference: Callable[[], ContextManager] | None = None,
-    at_pipeline_defaults: bool = False,
-) -> dict[str, float]:
-    """Bounded deterministic evaluation (the EMA weights when kept) at optimizer step ``step``:
-    ``eval/<reward>_mean`` and ``_std``, the watch probe's ``eval/diversity`` (and with a
-    ``reference`` ``eval/velocity_kl``, see ``watch_probe``), and ``time/elapsed_s``, counted
-    from ``launch_time``, logged and returned; the sample grid written, one line printed above
-    the progress bar. ``at_pipeline_defaults`` with a plan that has them: the same prompts and
-    noise also sampled at the pipeline's default steps and guidance, ``eval_pipeline_defaults/*``
-    (``pipeline_defaults_values``), one more line. No plan (no evaluation prompts): nothing, ``{}``."""
+def evaluate_and_log(run: Run, *, step: int, epoch: int, at_pipeline_defaults: bool = False) -> dict[str, float]:
+    """Bounded deterministic evaluation of ``run.eval_plan`` (the EMA weights when kept) at
+    optimizer step ``step``: ``eval/<reward>_mean`` and ``_std``, the watch probe's
+    ``eval/diversity`` (and with a reference policy ``eval/velocity_kl``, see ``watch_probe``),
+    and ``time/elapsed_s``, counted from ``run.launch_time``, logged and returned; the sample
+    grid written, one line printed above the progress bar. ``at_pipeline_defaults`` with a plan
+    that has them: the same prompts and noise also sampled at the pipeline's default steps and
+    guidance, ``eval_pipeline_defaults/*`` (``pipeline_defaults_values``), one more line. No plan
+    (no evaluation prompts): nothing, ``{}``."""
+    plan, policy, model, accelerator, ema = run.eval_plan, run.policy, run.model, run.accelerator, run.ema
     if plan is None:
         return {}
     model.eval()
     at_defaults = at_pipeline_defaults and plan.pipeline_defaults is not None
     with ema.swapped_in() if ema is not None else nullcontext():
-        result = evaluate_plan(plan, policy, model, accelerator.device, accelerator=accelerator)
-        probe = watch_probe(plan, policy, model, accelerator.device, reference)
-        defaults = evaluate_plan(plan, policy, model, accelerator.device, accelerator=accelerator,
-                                 config=plan.pipeline_defaults, keep_samples=0) if at_defaults else None
+        result = evaluate_plan(plan, policy, model, accelerator=accelerator)
+        probe = watch_probe(plan, policy, model, accelerator.device, run.reference())
+        defaults = evaluate_plan(plan, policy, model, accelerator=accelerator, config=plan.pipeline_defaults,
+                                 keep_samples=0) if at_defaults else None
     values = result.log_dict("eval")
     values.update(probe)
     if defaults is not None:
         values.update(pipeline_defaults_values(defaults))
-    values["time/elapsed_s"] = time.perf_counter() - launch_time
-    log_metrics(accelerator, metrics_path, values, step=step, epoch=epoch)
+    values["time/elapsed_s"] = time.perf_counter() - run.launch_time
+    log_metrics(accelerator, run.metrics_path, values, step=step, epoch=epoch)
     if accelerator.is_main_process and result.samples is not None:
-        log_eval_samples(accelerator, result, output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
+        log_eval_samples(accelerator, result, run.args.output_dir, step, is_video=policy.is_video, video_fps=plan.video_fps)
     if accelerator.is_main_process:
         tqdm.write(eval_line(step, values))  # above the progress bar, which stays at the bottom
         if defaults is not None:

@@ -27,18 +27,19 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
-from genrl.ema import EMA
 from genrl.nan_guard import NonFiniteGuard, is_finite
 from genrl.nft import soft_update_decay
 from genrl.objectives import UpdateConfig, get_objective
-from genrl.policies.base import FlowPolicy
-from genrl.rollout import Rollout, SamplingConfig
 from genrl.seeding import mix_seeds
 from genrl.update_checkpoint import PartialUpdate
+
+if TYPE_CHECKING:
+    from genrl.experience import EpochExperience
+    from genrl.run import Run
 
 
 class UpdateStopped(Exception):
@@ -129,39 +130,23 @@ def optimizer_step(accelerator, model: torch.nn.Module, optimizer, lr_scheduler,
 
 
 def update_policy(
-    policy: FlowPolicy,
-    model: torch.nn.Module,
-    optimizer,
-    lr_scheduler,
-    accelerator,
-    rollout: Rollout,
-    advantages: torch.Tensor,
-    kept: torch.Tensor,
-    *,
-    config: UpdateConfig,
-    sampling: SamplingConfig,
-    seed: int,
-    epoch: int,
-    global_step: int,
-    guard: NonFiniteGuard,
-    ema: EMA | None = None,
-    frozen_reference: torch.nn.Module | None = None,
-    sampling_policy: EMA | None = None,
-    progress=None,
-    stop: Callable[[], bool] | None = None,
-    resume: PartialUpdate | None = None,
+    run: Run, experience: EpochExperience, *, stop: Callable[[], bool] | None = None, resume: PartialUpdate | None = None
 ) -> UpdateResult:
-    """Train on this process's ``rollout`` (B samples, ``advantages`` ``(B,)``) at the samples
-    ``kept`` ``(k,)``, from optimizer step ``global_step``; ``progress`` (a tqdm bar) counts the
-    optimizer steps. ``sampling`` is how the rollout was sampled (GRPO recomputes its log-probs).
-    ``sampling_policy``: the soft-updated weights the rollout was sampled with (nft, awm); NFT's
-    old velocities come from them, and they step towards the trained weights after every
-    optimizer step.
+    """Train ``run.model`` on this process's samples of ``experience`` (its rollout, B samples,
+    and their advantages ``(B,)``) at the kept samples ``(k,)``, from optimizer step
+    ``run.global_step``, as ``run.update_config`` says; ``run.progress`` (a tqdm bar) counts the
+    optimizer steps. GRPO recomputes its log-probs as ``run.sampling`` sampled the rollout.
+    ``run.sampling_policy``: the soft-updated weights the rollout was sampled with (nft, awm);
+    NFT's old velocities come from them, and they step towards the trained weights after every
+    optimizer step, as ``run.ema`` does (every ``--ema_update_interval`` of them).
 
     ``stop`` (a collective: every rank gets the same answer) is asked after each optimizer step
     that leaves more to do; when it says so the update raises :class:`UpdateStopped`.
     ``resume``: such a stop's :class:`~genrl.update_checkpoint.PartialUpdate`, from a checkpoint;
     the update continues its plan after the micro steps it did, with what it had prepared."""
+    policy, model, accelerator, guard, config = run.policy, run.model, run.accelerator, run.guard, run.update_config
+    sampling_policy, ema, seed, epoch = run.sampling_policy, run.ema, run.args.seed, experience.epoch
+    rollout, advantages, kept = experience.rollout, experience.advantages.advantages, experience.advantages.kept
     objective = get_objective(config.objective)
     model.train()
     generator = torch.Generator().manual_seed(mix_seeds(seed, epoch, accelerator.process_index, 7))
@@ -177,12 +162,12 @@ def update_policy(
             record = list(kept.split(config.micro_batch_size))
     if resume is not None:
         prepared, start = resume.prepared, resume.micro_steps
-        result = UpdateResult(global_step, step_stats=list(resume.step_stats), grad_norms=list(resume.grad_norms))
+        result = UpdateResult(run.global_step, step_stats=list(resume.step_stats), grad_norms=list(resume.grad_norms))
     else:
         with sampling_policy.swapped_in() if sampling_policy is not None else nullcontext():
             prepared = objective.prepare(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
                                          device=accelerator.device)
-        start, result = 0, UpdateResult(global_step)
+        start, result = 0, UpdateResult(run.global_step)
     skipped_at_start = guard.skipped - (resume.skipped_steps if resume is not None else 0)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
     for n, (idx, timestep) in enumerate(plan):
@@ -190,13 +175,14 @@ def update_policy(
             continue
         with accelerator.accumulate(model):
             loss, stats = objective.loss(
-                policy, model, rollout, prepared, idx, timestep, advantages, config=config, sampling=sampling,
-                frozen_reference=frozen_reference, old_is_current=n < fresh,
+                policy, model, rollout, prepared, idx, timestep, advantages, config=config, sampling=run.sampling,
+                frozen_reference=run.frozen_reference, old_is_current=n < fresh,
             )
             losses_finite = losses_finite and is_finite(loss)
             accelerator.backward(loss)
-            applied, norm = optimizer_step(accelerator, model, optimizer, lr_scheduler, guard, global_step=result.global_step + 1,
-                                           losses_finite=losses_finite, max_grad_norm=config.max_grad_norm)
+            applied, norm = optimizer_step(accelerator, model, run.optimizer, run.lr_scheduler, guard,
+                                           global_step=result.global_step + 1, losses_finite=losses_finite,
+                                           max_grad_norm=config.max_grad_norm)
             if applied and norm is not None:
                 result.grad_norms.append(float(norm))
         window_stats.append({k: float(v) for k, v in stats.items()})
@@ -205,8 +191,8 @@ def update_policy(
                 result.step_stats += window_stats
             window_stats, losses_finite = [], True
             result.global_step += 1
-            if progress is not None:
-                progress.update(1)
+            if run.progress is not None:
+                run.progress.update(1)
             if ema is not None:
                 ema.step(result.global_step)
             if sampling_policy is not None:

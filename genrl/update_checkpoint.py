@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from genrl.experience import EpochAdvantages
+from genrl.experience import EpochAdvantages, EpochExperience
 from genrl.objectives.forward import ForwardBatch
 from genrl.rollout import Rollout
 
@@ -50,23 +50,18 @@ class PartialUpdate:
 
 
 @dataclasses.dataclass
-class UpdateInProgress:
-    """An epoch whose update a checkpoint interrupted, as one rank holds it.
+class UpdateInProgress(EpochExperience):
+    """An epoch whose update a checkpoint interrupted, as one rank holds it: the epoch's
+    experience (:class:`~genrl.experience.EpochExperience`) and ``update``, how far the update
+    got (a checkpoint keeps the rollout without its decoded samples)."""
 
-    epoch, step_at_epoch_start: the epoch and the optimizer step it started at.
-    rollout: this rank's samples of the epoch (decoded samples dropped).
-    advantages: this rank's advantages, kept samples and the epoch's reward logs.
-    timings: the epoch's ``time/*`` of its rollouts; rollout_flops: their FLOPs (None: not counted).
-    update: how far the update got.
-    """
-
-    epoch: int
-    step_at_epoch_start: int
-    rollout: Rollout
-    advantages: EpochAdvantages
-    timings: dict[str, float]
-    rollout_flops: float | None
     update: PartialUpdate
+
+    @classmethod
+    def of(cls, experience: EpochExperience, update: PartialUpdate) -> UpdateInProgress:
+        """``experience`` with its update stopped at ``update``."""
+        fields = {f.name: getattr(experience, f.name) for f in dataclasses.fields(EpochExperience)}
+        return cls(**fields, update=update)
 
 
 def _flatten(prefix: str, record: Any, tensors: dict[str, torch.Tensor], values: dict[str, Any]) -> None:

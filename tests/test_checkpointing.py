@@ -8,6 +8,7 @@ writing, renaming and pruning without loading a model.
 import errno
 import os
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 
@@ -49,8 +50,11 @@ def fake_export(monkeypatch):
 
 
 def save(output_dir, step, accelerator=None, total_limit=1):
-    return save_checkpoint(accelerator or FakeAccelerator(), None, None, str(output_dir), global_step=step, epoch=step,
-                           config={}, use_lora=False, total_limit=total_limit)
+    # What save_checkpoint reads of a run, with no model: the stand-in export writes its config only.
+    run = SimpleNamespace(accelerator=accelerator or FakeAccelerator(), args=SimpleNamespace(output_dir=str(output_dir),
+                          use_lora=False), model=None, policy=None, record={}, ema=None, sampling_policy=None,
+                          identity=None, node_local=False)
+    return save_checkpoint(run, global_step=step, epoch=step, total_limit=total_limit)
 
 
 def names(output_dir):

@@ -14,7 +14,8 @@ import torch
 import eval_genrl
 import genrl.evaluation as evaluation
 from genrl.eval_outputs import save_eval_outputs, save_image_grid
-from genrl.evaluation import batches_of_process, eval_batches, evaluate, spread_indices
+from genrl.data import PromptSet
+from genrl.evaluation import EvalSettings, batches_of_process, eval_batches, evaluate, spread_indices
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
 from genrl.rollout import SamplingConfig
@@ -57,9 +58,9 @@ def reward_fn():
     return build_reward_fn("jpeg_compressibility,temporal_smoothness:0.5")
 
 
-def _evaluate(policy, reward_fn, prompts=PROMPTS, **kwargs):
-    kwargs = {"seed": 0, "batch_size": 2, "max_batches": 2, "config": CONFIG, "device": "cpu", **kwargs}
-    return evaluate(policy, policy.transformer, prompts, reward_fn, **kwargs)
+def _evaluate(policy, reward_fn, prompts=PROMPTS, metadata=(), **kwargs):
+    settings = EvalSettings(**{"seed": 0, "batch_size": 2, "max_batches": 2, "config": CONFIG, **kwargs})
+    return evaluate(policy, policy.transformer, PromptSet(prompts, list(metadata)), reward_fn, settings, device="cpu")
 
 
 def _script_args(model, prompts_file, output_dir, *extra):

@@ -6,7 +6,7 @@ import torch
 from accelerate import Accelerator
 
 from genrl.advantages import group_advantages
-from genrl.experience import epoch_advantages
+from genrl.experience import AdvantageConfig, epoch_advantages
 
 # Two groups of 8: group 0 spread evenly, group 1 one outlier high above seven close rewards.
 REWARDS = torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 7, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 9.0])
@@ -19,10 +19,10 @@ def accelerator():
 
 
 def advantages(accelerator, rewards=REWARDS, **kwargs):
-    options = dict(group_ids=GROUPS, reward_combine="sum", std_mode="group", adv_clip_max=5.0,
-                   filter_zero_advantage=False, micro_batch_size=4)
+    options = dict(reward_combine="sum", std_mode="group", adv_clip_max=5.0, filter_zero_advantage=False,
+                   micro_batch_size=4)
     options.update(kwargs)
-    return epoch_advantages(accelerator, {"r": rewards}, {"r": 1.0}, **options)
+    return epoch_advantages(accelerator, {"r": rewards}, {"r": 1.0}, GROUPS, AdvantageConfig(**options))
 
 
 def test_every_sample_is_trained_by_default(accelerator):

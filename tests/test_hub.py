@@ -12,11 +12,16 @@ import pytest
 from huggingface_hub import ModelCard
 
 from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
-from genrl.model_card import write_model_card
+from genrl.model_card import CardEvaluation, write_model_card
 from genrl.output_lock import LOCK_FILE
 from tests.fake_hub_server import FakeHubServer
 
 TOKEN = "hf_dummy_token_for_tests"
+
+
+def record(base_model: str, args: dict | None = None, **more) -> dict:
+    """A run as ``genrl_config.json`` records it, for a card: the reward spec "r" unless given."""
+    return {"base_model": base_model, "reward_fn": "r", "args": args or {}, **more}
 
 
 @pytest.fixture
@@ -64,11 +69,10 @@ def export_dir(tmp_path):
         _write(ckpt / "transformer" / "diffusion_pytorch_model.safetensors", rng.bytes(1024))
         _write(ckpt / "optimizer.bin", rng.bytes(2048))
         _write(ckpt / "random_states_0.pkl", rng.bytes(64))
-    write_model_card(
-        str(root), base_model="tiny/wan", reward_spec="jpeg_compressibility:1.0",
-        hyperparameters={"learning_rate": 1e-5}, eval_metrics={"jpeg_compressibility": {"mean": 0.25, "std": 0.5}},
-        sample_images=["samples.png"], launch_command="accelerate launch train_genrl.py", tags=["test"],
-    )
+    record = {"base_model": "tiny/wan", "reward_fn": "jpeg_compressibility:1.0", "args": {"learning_rate": 1e-5},
+              "launch_command": "accelerate launch train_genrl.py", "family": "test"}
+    write_model_card(str(root), record, sample_images=["samples.png"],
+                     evaluation=CardEvaluation(metrics={"jpeg_compressibility": {"mean": 0.25, "std": 0.5}}))
     return root
 
 
@@ -163,8 +167,7 @@ def test_model_card_for_a_lora_export_with_a_local_base_and_outside_images(tmp_p
     image.parent.mkdir()
     cv2.imwrite(str(image), np.zeros((4, 4, 3), np.uint8))
 
-    path = write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters={"rank": 4},
-                            eval_metrics=None, sample_images=[str(image)], launch_command="", tags=None)
+    path = write_model_card(str(export), record(str(base), {"rank": 4}, launch_command=""), sample_images=[str(image)])
     card = ModelCard.load(path)
     assert card.data.base_model is None  # a local path is not a Hub id
     assert "lora" in card.data.tags
@@ -175,14 +178,12 @@ def test_model_card_for_a_lora_export_with_a_local_base_and_outside_images(tmp_p
 
 def test_model_card_names_a_missing_image(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.png"):
-        write_model_card(str(tmp_path), base_model="a/b", reward_spec="r", hyperparameters={},
-                         sample_images=["nope.png"])
+        write_model_card(str(tmp_path), record("a/b"), sample_images=["nope.png"])
 
 
 def test_model_card_reads_eval_metrics_in_log_dict_form(tmp_path):
     flat = {"eval/total_mean": 0.5, "eval/total_std": 0.25, "eval/toy_geneval_mean": 0.125, "eval/toy_geneval_std": 0.0}
-    card = ModelCard.load(write_model_card(str(tmp_path), base_model="a/b", reward_spec="r", hyperparameters={},
-                                           eval_metrics=flat))
+    card = ModelCard.load(write_model_card(str(tmp_path), record("a/b"), evaluation=CardEvaluation(metrics=flat)))
     assert "| total | 0.5000 | 0.2500 |" in card.text
     assert "| toy_geneval | 0.1250 | 0.0000 |" in card.text
     assert "eval/" not in card.text
@@ -194,14 +195,13 @@ def test_model_card_names_a_local_base_by_its_folder_and_loads_generically(tmp_p
     export = tmp_path / "export"
     export.mkdir()
     hyper = {"use_lora": False, "rank": 32, "lora_alpha": 64, "use_ema": True, "ema_decay": 0.9, "learning_rate": 1e-4}
-    local = ModelCard.load(write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters=hyper)).text
+    local = ModelCard.load(write_model_card(str(export), record(str(base), hyper))).text
     assert "`toy-base`" in local and f"`{base}`" not in local
     assert "bfloat16)" not in local and 'pipe.to("cuda")' not in local and "<this-repo-id>" not in local
     assert "torch.cuda.is_available()" in local and f'from_pretrained("{export}", subfolder="transformer"' in local
     assert "| ema_decay |" in local and "| rank |" not in local and "| lora_alpha |" not in local
 
-    pushed = ModelCard.load(write_model_card(str(export), base_model=str(base), reward_spec="r", hyperparameters=hyper,
-                                             repo_id="me/run")).text
+    pushed = ModelCard.load(write_model_card(str(export), record(str(base), hyper), repo_id="me/run")).text
     assert str(tmp_path) not in pushed.split("## Training")[0]  # nothing above the launch command names this machine
     assert 'from_pretrained("me/run", subfolder="transformer"' in pushed and '"path/to/toy-base"' in pushed
 
@@ -217,8 +217,8 @@ def test_model_card_shows_the_score_before_and_after_training(tmp_path):
     metrics.write_text("".join(json.dumps(l) + "\n" for l in lines) + '{"step": 4')
     evals = first_and_last_eval(str(metrics))
     assert [step for step, _ in evals] == [0, 40]
-    card = ModelCard.load(write_model_card(str(tmp_path), base_model="a/b", reward_spec="toy_geneval", hyperparameters={},
-                                           eval_metrics=evals[-1][1], baseline_metrics=evals[0][1], eval_steps=(0, 40))).text
+    evaluation = CardEvaluation(metrics=evals[-1][1], baseline=evals[0][1], steps=(0, 40))
+    card = ModelCard.load(write_model_card(str(tmp_path), record("a/b", reward_fn="toy_geneval"), evaluation=evaluation)).text
     assert "| reward | before (step 0) | after (step 40) | change |" in card
     assert "| toy_geneval | 0.4000 | 0.5000 | +0.1000 |" in card and "| total |" not in card
 
@@ -226,8 +226,7 @@ def test_model_card_shows_the_score_before_and_after_training(tmp_path):
 def test_model_card_names_the_objective_it_was_trained_with(tmp_path):
     export = tmp_path / "nft"
     (export / "transformer").mkdir(parents=True)
-    write_model_card(str(export), base_model="tiny/sd3", reward_spec="toy_geneval", hyperparameters={"objective": "nft"},
-                     objective="nft")
+    write_model_card(str(export), record("tiny/sd3", {"objective": "nft"}, reward_fn="toy_geneval"))
     card = ModelCard.load(str(export / "README.md"))
     assert "diffusion-nft" in card.data.tags and "grpo" not in card.data.tags
     assert "(DiffusionNFT)" in card.text and "GRPO" not in card.text.split("## Training")[0]
@@ -245,8 +244,9 @@ def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversit
     args = {"num_inference_steps": 10, "guidance_scale": 4.5, "eval_guidance_scale": 1.0, "eval_num_inference_steps": None,
             "negative_prompt": "blurry", "height": 64, "width": 96, "num_frames": 9, "watch_diversity_fraction": 0.5,
             "ode_solver": "ab2"}
+    args["objective"] = "nft"
     config = {"base_model": "tiny/sd3", "reward_fn": "toy_geneval", "args": args, "launch_command": "x", "family": "sd3"}
-    card = ModelCard.load(write_run_card(str(export), str(metrics), config, objective="nft", is_video=False, last_eval={},
+    card = ModelCard.load(write_run_card(str(export), str(metrics), config, is_video=False, last_eval={},
                                          sample_images=[], watch_alarms=[])).text
     settings = {"num_inference_steps": 10, "guidance_scale": 1.0, "height": 64, "width": 96}  # unguided: no negative prompt
     assert json.loads((export / "sampling_config.json").read_text()) == settings
@@ -284,9 +284,9 @@ def test_run_card_states_first_what_the_export_scores_at_the_pipeline_defaults(t
         lines[0].update({"eval_pipeline_defaults/toy_geneval_mean": before, "eval_pipeline_defaults/total_mean": before,
                          **settings})
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(l) + "\n" for l in lines))
-    args = {"num_inference_steps": 10, "guidance_scale": 1.0}
+    args = {"num_inference_steps": 10, "guidance_scale": 1.0, "objective": "nft"}
     config = {"base_model": "tiny/sd3", "reward_fn": "toy_geneval", "args": args, "launch_command": "x", "family": "sd3"}
-    card = ModelCard.load(write_run_card(str(export), str(tmp_path / "metrics.jsonl"), config, objective="nft",
+    card = ModelCard.load(write_run_card(str(export), str(tmp_path / "metrics.jsonl"), config,
                                          is_video=False, last_eval={}, sample_images=[])).text
     first_lines = card.split("## How to use")[0]
     assert "Sample it as it was evaluated: 10 steps at guidance 1**" in first_lines

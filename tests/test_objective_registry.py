@@ -3,11 +3,14 @@
 the flags are parsed, it sizes the trained timesteps, and ``update_policy`` trains it, with no
 other file touched. The objective here is defined in the test."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from accelerate import Accelerator
 
 from genrl import train_args
+from genrl.experience import EpochAdvantages, EpochExperience
 from genrl.nan_guard import NonFiniteGuard
 from genrl.objectives import OBJECTIVES, Objective, UpdateConfig
 from genrl.rollout import SamplingConfig, sample_rollout
@@ -86,9 +89,13 @@ def test_update_policy_trains_a_registered_objective(push):
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
     lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    result = update_policy(policy, model, optimizer, lr_scheduler, Accelerator(cpu=True), rollout,
-                           torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.arange(4), config=config, sampling=sampling, seed=0,
-                           epoch=0, global_step=5, guard=NonFiniteGuard(1e-2))
+    # What update_policy reads of a run: no EMA, sampling policy, reference or progress bar.
+    run = SimpleNamespace(policy=policy, model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                          accelerator=Accelerator(cpu=True), guard=NonFiniteGuard(1e-2), update_config=config,
+                          sampling=sampling, args=SimpleNamespace(seed=0), global_step=5, ema=None, sampling_policy=None,
+                          frozen_reference=None, progress=None)
+    advantages = EpochAdvantages(torch.tensor([1.0, -1.0, 0.5, -0.5]), torch.arange(4), {})
+    result = update_policy(run, EpochExperience(0, 5, rollout, advantages, {}, None))
     # Prepared once, before the first pass; each micro batch of 2 at both of its timesteps, one
     # optimizer step each (no accumulation here).
     assert push.prepared_with == [[]]

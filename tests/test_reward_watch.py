@@ -11,7 +11,7 @@ import torch
 from conftest import run_python, script_errors
 
 from genrl import train_args
-from genrl.model_card import write_model_card
+from genrl.model_card import CardEvaluation, write_model_card
 from genrl.plots import training_curves_figure
 from genrl.reward_watch import RewardWatch, diverging, group_diversity, watched_rewards
 
@@ -95,8 +95,8 @@ def test_bad_evaluation_and_watch_settings_are_one_sentence(tmp_path, capsys, ex
 
 def test_the_card_lists_the_alarms_or_says_there_were_none(tmp_path):
     def card(alarms):
-        write_model_card(str(tmp_path), base_model="org/base", reward_spec="jpeg_compressibility",
-                         hyperparameters={"learning_rate": 1e-4}, watch_alarms=alarms)
+        run = {"base_model": "org/base", "reward_fn": "jpeg_compressibility", "args": {"learning_rate": 1e-4}}
+        write_model_card(str(tmp_path), run, evaluation=CardEvaluation(watch_alarms=alarms))
         return (tmp_path / "README.md").read_text()
 
     listed = card([(3, "the diversity within a prompt's samples fell to 0.1")])
