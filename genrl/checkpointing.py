@@ -350,8 +350,12 @@ def _save_lora(accelerator, model: torch.nn.Module, policy: FlowPolicy, path: st
     state_dict = _trainable_state_dict(accelerator, model)
     if not accelerator.is_main_process:
         return
-    lora_layers = get_peft_model_state_dict(accelerator.unwrap_model(model), state_dict=state_dict)
-    type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name)
+    unwrapped = accelerator.unwrap_model(model)
+    lora_layers = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
+    # The adapter's config goes with it: without its lora_alpha, load_lora_weights takes alpha = rank.
+    metadata = unwrapped.peft_config["default"].to_dict()
+    type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name,
+                                            transformer_lora_adapter_metadata=metadata)
 
 
 def export_model(

@@ -13,6 +13,7 @@ from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
+from genrl.policies.zimage import ZImagePolicy
 from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
@@ -20,12 +21,13 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "WanPipeline": WanPolicy,
     "StableDiffusion3Pipeline": SD3Policy,
     "FluxPipeline": FluxPolicy,
+    "ZImagePipeline": ZImagePolicy,
 }
 
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
-__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -95,6 +97,9 @@ def load_policy(
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+    if getattr(diffusers, class_name, None) is None:
+        raise SetupError(f"{path!r} is a {class_name}, which the installed diffusers {diffusers.__version__} does not "
+                         "have; upgrade it (pip install -U diffusers).")
     two_experts = (index.get("transformer_2") or [None])[0] is not None
     if two_experts and wan_expert not in EXPERTS and not (sampling_only and wan_expert is None):  # before any weights load
         raise SetupError(two_expert_message(path, index.get("boundary_ratio")))

@@ -30,12 +30,17 @@ from diffusers import (
     StableDiffusion3Pipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
+from tokenizers import AddedToken
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
     PreTrainedTokenizerFast,
+    Qwen3Config,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     UMT5Config,
@@ -45,7 +50,7 @@ from transformers import (
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
-FAMILIES = ("wan", "sd3", "flux")
+FAMILIES = ("wan", "sd3", "flux", "zimage")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -61,6 +66,7 @@ TINY_SAMPLING_DEFAULTS = {
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
     "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
+    "zimage": {"height": 32, "width": 32, "num_frames": 1},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -97,6 +103,46 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     ``add_bos``: CLIP-style ``<bos> words <eos>``; otherwise T5-style ``words <eos>``.
     """
     return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
+
+
+# The chat-template tokens of the Qwen tokenizers (Z-Image's Qwen3). "\n" is a token of its own,
+# as it is in theirs, so that a template keeps the token count of the real one.
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "\n", "<think>", "</think>")
+TINY_CHAT_VOCAB = TINY_VOCAB + CHAT_TOKENS + ("system", "user", "assistant")
+# Qwen3's chat template, cut to text messages: with enable_thinking=False the answer starts with
+# an empty thought.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+TINY_CHAT_MAX_LENGTH = 32  # tokens per templated prompt
+
+
+def tiny_chat_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``TINY_CHAT_VOCAB`` with Qwen's chat template, that adds no
+    special tokens itself (the template does) and pads on the right, as Qwen's tokenizers."""
+    tokenizer = word_level_tokenizer(TINY_CHAT_VOCAB, max_length, template=None)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in CHAT_TOKENS]}
+    )
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    return tokenizer
+
+
+def _qwen3_config() -> Qwen3Config:
+    """A 2-layer Qwen3 of width 32 over ``TINY_CHAT_VOCAB``."""
+    return Qwen3Config(
+        vocab_size=len(TINY_CHAT_VOCAB),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
 
 
 def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
@@ -291,14 +337,40 @@ def _build_flux() -> FluxPipeline:
     )
 
 
+def _build_zimage() -> ZImagePipeline:
+    """Z-Image's layout: a single-stream DiT (noise and caption refiners, then joint layers) over
+    FLUX's 16-channel VAE (here 4), captions from Qwen3's second-to-last hidden states."""
+    latent_channels = 4
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=latent_channels,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,  # the Qwen3 width
+        axes_dims=[4, 6, 6],  # sums to the head dim
+        axes_lens=[64, 16, 16],
+    )
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_image_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=Qwen3Model(_qwen3_config()),
+        tokenizer=tiny_chat_tokenizer(),
+        transformer=transformer,
+    )
+
+
 def _build_sd35() -> StableDiffusion3Pipeline:
     """SD3.5-Medium's layout (MMDiT-X): blocks 0-12 of its 24 add an image-only attention
     (``attn2``) beside the joint one, and every attention RMS-norms its queries and keys."""
     return _build_sd3(dual_attention_layers=(0,), qk_norm="rms_norm")
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
-             "wan2.2-a14b": _build_wan22_a14b}
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage, "wan2.2": _build_wan22,
+             "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
