@@ -8,7 +8,16 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
 from genrl.errors import SetupError
-from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanPolicy, ZImagePolicy, load_policy, policy_for_pipeline
+from genrl.policies import (
+    POLICIES,
+    Flux2KleinPolicy,
+    FluxPolicy,
+    SD3Policy,
+    WanPolicy,
+    ZImagePolicy,
+    load_policy,
+    policy_for_pipeline,
+)
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
 from genrl.testing.tiny_pipelines import (
@@ -22,7 +31,8 @@ from genrl.testing.tiny_pipelines import (
 
 torch.set_num_threads(2)
 
-ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy}
+ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy}
+CHAT_FAMILIES = ("zimage", "flux2-klein")  # prompts through a chat template (the tiny chat tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -127,11 +137,11 @@ def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(t
 @pytest.mark.parametrize("family", FAMILIES)
 def test_max_sequence_length_sets_the_t5_tokens_and_the_model_runs_on_them(family, tiny_dirs):
     """SD3's prompt embeddings are its CLIP tokens (16 here) followed by the T5 ones; FLUX's and
-    Wan's are the T5/UMT5 tokens, Z-Image's the Qwen3 tokens of the chat-templated prompt.
+    Wan's are the T5/UMT5 tokens, Z-Image's and FLUX.2's the Qwen3 tokens of the chat-templated prompt.
     Default: the pipeline's (256 / 512), capped by the tiny tokenizers' 16 (the chat tokenizer's
     32); a value above the tokenizer's is capped too."""
     clip_tokens = 16 if family == "sd3" else 0
-    cap = TINY_CHAT_MAX_LENGTH if family == "zimage" else 16
+    cap = TINY_CHAT_MAX_LENGTH if family in CHAT_FAMILIES else 16
     for asked, tokens in ((None, cap), (5, 5), (100, cap)):
         policy = load_policy(tiny_dirs[family], max_sequence_length=asked).to("cpu")
         assert policy.max_sequence_length == tokens
@@ -198,7 +208,8 @@ def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
 
 
 @pytest.mark.parametrize(
-    "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8))]
+    "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8)),
+                      ("flux2-klein", (16, 4, 4))]
 )
 def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
     policy = policies[family]
@@ -227,7 +238,7 @@ def test_schedule_starts_at_one_and_ends_at_zero(family, policies):
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000)
 
 
-@pytest.mark.parametrize("family", ["wan", "sd3", "zimage"])
+@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein"])
 def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     """v = v_u + g (v_c - v_u); Z-Image's pipeline writes it v = v_c + g (v_c - v_u), guidance 0
     being the conditional velocity alone."""
@@ -248,6 +259,22 @@ def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     torch.testing.assert_close(v, base + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=3.0)
+
+
+def test_a_step_distilled_klein_ignores_guidance_as_its_pipeline_does():
+    """FLUX.2 [klein]'s distilled checkpoints (``is_distilled`` in model_index.json) sample
+    without CFG whatever the scale: no negative embeddings, one forward."""
+    pipeline = build_tiny_pipeline("flux2-klein")
+    pipeline.register_to_config(is_distilled=True)
+    policy = policy_for_pipeline(pipeline).to("cpu")
+    assert not policy.use_cfg(4.0) and policy_for_pipeline(build_tiny_pipeline("flux2-klein")).use_cfg(4.0)
+    embeds = policy.encode_prompts(["a cat"], "cpu", guidance_scale=4.0)
+    assert set(embeds) == {"prompt_embeds"}
+    latents = policy.prepare_latents(_generators(1), 32, 32, 1, "cpu")
+    with torch.no_grad():
+        guided = policy.predict_velocity(policy.transformer, latents, torch.tensor([600.0]), embeds, 4.0)
+        plain = policy.predict_velocity(policy.transformer, latents, torch.tensor([600.0]), embeds, 1.0)
+    assert torch.equal(guided, plain)
 
 
 def test_flux_guidance_is_a_transformer_input(policies):
@@ -274,7 +301,7 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
 @pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
                                                     ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
                                                     ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0), ("zimage", 3.0),
-                                                    ("zimage", 0.0)])
+                                                    ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
@@ -297,7 +324,7 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
     latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
     kwargs = dict(
         prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=guidance_scale,
-        output_type="pt", max_sequence_length=16,
+        output_type="pt", max_sequence_length=policy.max_sequence_length,
     )
     if policy.family == "wan":
         out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs, **extra).frames
@@ -306,8 +333,11 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images
         expected = out.unsqueeze(2)
     elif policy.family == "zimage":  # its pipeline writes the chat template into the prompt list it is given
-        kwargs.update(prompt=list(prompts), max_sequence_length=TINY_CHAT_MAX_LENGTH)
+        kwargs.update(prompt=list(prompts))
         expected = policy.pipeline(latents=latents, negative_prompt=["dark"] * 2, **kwargs).images.unsqueeze(2)
+    elif policy.family == "flux2-klein":  # its pipeline takes the negative prompt as embeddings only
+        negative, _ = policy.pipeline.encode_prompt(["dark"] * 2, max_sequence_length=policy.max_sequence_length)
+        expected = policy.pipeline(latents=latents, negative_prompt_embeds=negative, **kwargs).images.unsqueeze(2)
     else:
         packed = FluxPipeline._pack_latents(latents, *latents.shape)
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)

@@ -21,9 +21,12 @@ import os
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
     AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
     SD3Transformer2DModel,
@@ -40,6 +43,7 @@ from transformers import (
     CLIPTextModelWithProjection,
     PreTrainedTokenizerFast,
     Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3Model,
     T5Config,
     T5EncoderModel,
@@ -50,7 +54,7 @@ from transformers import (
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
-FAMILIES = ("wan", "sd3", "flux", "zimage")
+FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -67,6 +71,7 @@ TINY_SAMPLING_DEFAULTS = {
     "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
     "zimage": {"height": 32, "width": 32, "num_frames": 1},
+    "flux2-klein": {"height": 32, "width": 32, "num_frames": 1},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -105,7 +110,7 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
 
 
-# The chat-template tokens of the Qwen tokenizers (Z-Image's Qwen3). "\n" is a token of its own,
+# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3). "\n" is a token of its own,
 # as it is in theirs, so that a template keeps the token count of the real one.
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "\n", "<think>", "</think>")
 TINY_CHAT_VOCAB = TINY_VOCAB + CHAT_TOKENS + ("system", "user", "assistant")
@@ -130,18 +135,19 @@ def tiny_chat_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTok
     return tokenizer
 
 
-def _qwen3_config() -> Qwen3Config:
-    """A 2-layer Qwen3 of width 32 over ``TINY_CHAT_VOCAB``."""
+def _qwen3_config(hidden_size: int, num_hidden_layers: int) -> Qwen3Config:
+    """A Qwen3 of two heads (one key/value head) over ``TINY_CHAT_VOCAB``."""
     return Qwen3Config(
         vocab_size=len(TINY_CHAT_VOCAB),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=16,
+        head_dim=hidden_size // 2,
         max_position_embeddings=128,
         pad_token_id=0,
+        initializer_range=0.2,  # prompts far enough apart that guidance visibly moves the velocity
     )
 
 
@@ -182,23 +188,25 @@ def _t5_encoder() -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
+# The blocks of every tiny KL autoencoder (SD3's, FLUX's, FLUX.2's): 4x spatial compression.
+_TINY_KL_BLOCKS = dict(
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    block_out_channels=(8, 8, 16),
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    mid_block_add_attention=False,
+)
+
+
 def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
     """SD3/FLUX-style KL autoencoder with 4x spatial compression (3 blocks)."""
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 8, 16),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, **_TINY_KL_BLOCKS,
     )
 
 
@@ -357,7 +365,56 @@ def _build_zimage() -> ZImagePipeline:
     return ZImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
         vae=_image_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),
-        text_encoder=Qwen3Model(_qwen3_config()),
+        text_encoder=Qwen3Model(_qwen3_config(hidden_size=32, num_hidden_layers=2)),
+        tokenizer=tiny_chat_tokenizer(),
+        transformer=transformer,
+    )
+
+
+def _flux2_vae(latent_channels: int) -> AutoencoderKLFlux2:
+    """FLUX.2's KL autoencoder with 4x spatial compression (3 blocks); its batch norm over the
+    2x2-patchified latents has non-trivial statistics, so that decoding must undo them."""
+    vae = AutoencoderKLFlux2(latent_channels=latent_channels, **_TINY_KL_BLOCKS)
+    patched = 4 * latent_channels
+    vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, patched))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, patched))
+    return vae
+
+
+def _scale_flux2_timestep_embedding(transformer: Flux2Transformer2DModel) -> None:
+    """At these widths the default init leaves FLUX.2's timestep embedding near 0.1, and the
+    modulation gates it drives (bias-free) would all but shut the attention, where the prompt comes
+    in: scaled to about unit size, the prompt (and the guidance) visibly moves the velocity."""
+    with torch.no_grad():
+        transformer.time_guidance_embed.timestep_embedder.linear_2.weight.mul_(10.0)
+
+
+def _build_flux2_klein() -> Flux2KleinPipeline:
+    """FLUX.2 [klein]'s layout: double- and single-stream blocks over 2x2-patchified latents, no
+    guidance embedding (true CFG), prompts as the Qwen3 hidden states of layers 9, 18 and 27 side
+    by side (so the tiny Qwen3 has 28 layers)."""
+    latent_channels, text_width = 4, 16
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # the 2x2 patches' channels
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * text_width,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=False,
+    )
+    _scale_flux2_timestep_embedding(transformer)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096, time_shift_type="exponential",
+    )
+    return Flux2KleinPipeline(
+        scheduler=scheduler,
+        vae=_flux2_vae(latent_channels),
+        text_encoder=Qwen3ForCausalLM(_qwen3_config(hidden_size=text_width, num_hidden_layers=28)),
         tokenizer=tiny_chat_tokenizer(),
         transformer=transformer,
     )
@@ -369,8 +426,8 @@ def _build_sd35() -> StableDiffusion3Pipeline:
     return _build_sd3(dual_attention_layers=(0,), qk_norm="rms_norm")
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage, "wan2.2": _build_wan22,
-             "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b}
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
+             "flux2-klein": _build_flux2_klein, "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
