@@ -12,6 +12,7 @@ from genrl.policies import (
     POLICIES,
     Flux2KleinPolicy,
     FluxPolicy,
+    QwenImagePolicy,
     SD3Policy,
     WanPolicy,
     ZImagePolicy,
@@ -31,8 +32,9 @@ from genrl.testing.tiny_pipelines import (
 
 torch.set_num_threads(2)
 
-ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy}
-CHAT_FAMILIES = ("zimage", "flux2-klein")  # prompts through a chat template (the tiny chat tokenizer)
+ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy,
+            "qwenimage": QwenImagePolicy}
+CHAT_FAMILIES = ("zimage", "flux2-klein", "qwenimage")  # prompts through a chat template (the tiny chat tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +182,7 @@ def test_encode_prompts_is_batch_first_with_negatives_for_true_cfg(family, polic
     torch.testing.assert_close(alone["prompt_embeds"][0], without["prompt_embeds"][1])
 
 
-@pytest.mark.parametrize("family", ["zimage"])
+@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
 def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
     """Families whose transformer sees each prompt's tokens alone keep them right-padded with a
     mask: each row holds its own prompt's tokens, the caller's prompt list is left as it was
@@ -209,7 +211,7 @@ def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
 
 @pytest.mark.parametrize(
     "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8)),
-                      ("flux2-klein", (16, 4, 4))]
+                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4))]
 )
 def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
     policy = policies[family]
@@ -238,10 +240,11 @@ def test_schedule_starts_at_one_and_ends_at_zero(family, policies):
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000)
 
 
-@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein"])
+@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein", "qwenimage"])
 def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     """v = v_u + g (v_c - v_u); Z-Image's pipeline writes it v = v_c + g (v_c - v_u), guidance 0
-    being the conditional velocity alone."""
+    being the conditional velocity alone; Qwen-Image's rescales v to |v_c| token by token (a token:
+    a 2x2 patch of every channel)."""
     policy = policies[family]
     embeds = policy.encode_prompts(["a red circle", "a cat"], "cpu", guidance_scale=3.0, negative_prompt="blue")
     latents = policy.prepare_latents(_generators(2), 32, 32, 5, "cpu")
@@ -256,7 +259,12 @@ def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     assert v.shape == latents.shape and v.dtype == torch.float32
     assert not torch.allclose(v_c, v_u)
     base = v_c if family == "zimage" else v_u
-    torch.testing.assert_close(v, base + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    expected = base + 3.0 * (v_c - v_u)
+    if family == "qwenimage":
+        pack = lambda v: type(policy.pipeline)._pack_latents(v, *v.shape)  # noqa: E731
+        expected = expected * (pack(v_c).norm(dim=-1) / pack(expected).norm(dim=-1)).view(2, 2, 2).repeat_interleave(
+            2, dim=1).repeat_interleave(2, dim=2)[:, None]
+    torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=3.0)
 
@@ -301,7 +309,8 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
 @pytest.mark.parametrize("family, guidance_scale", [("wan", 3.0), ("wan2.2", 3.0), ("wan2.2", 1.0), ("sd3", 3.0),
                                                     ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
                                                     ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0), ("zimage", 3.0),
-                                                    ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0)])
+                                                    ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0),
+                                                    ("qwenimage", 4.0), ("qwenimage", 1.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
@@ -338,6 +347,14 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
     elif policy.family == "flux2-klein":  # its pipeline takes the negative prompt as embeddings only
         negative, _ = policy.pipeline.encode_prompt(["dark"] * 2, max_sequence_length=policy.max_sequence_length)
         expected = policy.pipeline(latents=latents, negative_prompt_embeds=negative, **kwargs).images.unsqueeze(2)
+    elif policy.family == "qwenimage":  # true_cfg_scale, and CFG only with a negative prompt
+        kwargs.update(latents=type(policy.pipeline)._pack_latents(latents, *latents.shape), guidance_scale=None,
+                      true_cfg_scale=guidance_scale, negative_prompt="dark" if guidance_scale > 1 else None)
+        expected = policy.pipeline(**kwargs).images.unsqueeze(2)
+        # Its tiny VAE decodes almost any latents to nearly the same image: the loop is compared before it too.
+        final = policy.pipeline(**{**kwargs, "output_type": "latent"}).images
+        ours = rollout.final_latents
+        torch.testing.assert_close(type(policy.pipeline)._pack_latents(ours, *ours.shape), final, rtol=0, atol=1e-5)
     else:
         packed = FluxPipeline._pack_latents(latents, *latents.shape)
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)

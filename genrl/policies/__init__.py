@@ -12,6 +12,7 @@ from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.flux2 import Flux2KleinPolicy
+from genrl.policies.qwenimage import QwenImagePolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
 from genrl.policies.zimage import ZImagePolicy
@@ -24,12 +25,13 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "FluxPipeline": FluxPolicy,
     "ZImagePipeline": ZImagePolicy,
     "Flux2KleinPipeline": Flux2KleinPolicy,
+    "QwenImagePipeline": QwenImagePolicy,
 }
 
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
-__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy", "QwenImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:

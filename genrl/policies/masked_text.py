@@ -33,3 +33,11 @@ def valid_lengths(mask: torch.Tensor) -> list[int]:
 def token_rows(embeds: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     """The inverse of ``pad_token_rows``: ``(B, L, D)`` and its mask -> ``[(L_i, D)]``."""
     return [row[:length] for row, length in zip(embeds, valid_lengths(mask))]
+
+
+def pad_to_width(embeds: torch.Tensor, mask: torch.Tensor | None, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ``(B, L, D)`` embeddings and their mask ``(B, L)`` (None: every token; a
+    pipeline's "no padding") -> ``(B, width, D)`` and ``(B, width)`` bool, zero past each row's tokens."""
+    if mask is None:
+        mask = torch.ones(embeds.shape[:2], dtype=torch.bool, device=embeds.device)
+    return pad_token_rows(token_rows(embeds, mask.bool()), width)

@@ -22,6 +22,7 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
@@ -29,6 +30,8 @@ from diffusers import (
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     WanPipeline,
@@ -42,6 +45,8 @@ from transformers import (
     CLIPTextModel,
     CLIPTextModelWithProjection,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -54,7 +59,7 @@ from transformers import (
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
-FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein")
+FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -72,6 +77,7 @@ TINY_SAMPLING_DEFAULTS = {
     "flux": {"height": 32, "width": 32, "num_frames": 1},
     "zimage": {"height": 32, "width": 32, "num_frames": 1},
     "flux2-klein": {"height": 32, "width": 32, "num_frames": 1},
+    "qwenimage": {"height": 32, "width": 32, "num_frames": 1},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -110,7 +116,7 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
 
 
-# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3). "\n" is a token of its own,
+# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3, Qwen-Image's Qwen2.5-VL). "\n" is a token of its own,
 # as it is in theirs, so that a template keeps the token count of the real one.
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "\n", "<think>", "</think>")
 TINY_CHAT_VOCAB = TINY_VOCAB + CHAT_TOKENS + ("system", "user", "assistant")
@@ -420,6 +426,44 @@ def _build_flux2_klein() -> Flux2KleinPipeline:
     )
 
 
+def _build_qwenimage() -> QwenImagePipeline:
+    """Qwen-Image's layout: an MMDiT over 2x2-packed latents of Wan's 8x causal VAE (one frame),
+    prompts as the last hidden states of Qwen2.5-VL's language model (a one-block vision tower
+    beside it, unused by text)."""
+    z_dim, text_width = 4, 32
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * z_dim,  # 2x2-packed latents
+        out_channels=z_dim,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(TINY_CHAT_VOCAB), hidden_size=text_width, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            pad_token_id=0, bos_token_id=None, eos_token_id=TINY_CHAT_VOCAB.index("<|im_end|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_width,
+                           fullatt_block_indexes=[0]),
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's: dynamic shifting, a terminal sigma of 0.02
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_chat_tokenizer(), transformer=transformer,
+    )
+
+
 def _build_sd35() -> StableDiffusion3Pipeline:
     """SD3.5-Medium's layout (MMDiT-X): blocks 0-12 of its 24 add an image-only attention
     (``attn2``) beside the joint one, and every attention RMS-norms its queries and keys."""
@@ -427,7 +471,8 @@ def _build_sd35() -> StableDiffusion3Pipeline:
 
 
 _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
-             "flux2-klein": _build_flux2_klein, "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b}
+             "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
+             "wan2.2-a14b": _build_wan22_a14b}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
