@@ -1,4 +1,4 @@
-"""The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein], Qwen-Image) through the real scripts: two processes
+"""The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein] and [dev], Qwen-Image) through the real scripts: two processes
 under the shipped ZeRO-2 config train one objective each (LoRA or every weight), the export loads
 as diffusers loads it, and eval_genrl.py on the export gives the training's last evaluation.
 (Sampling parity with the pipelines, log-prob recomputation and the other objectives' losses
@@ -28,6 +28,7 @@ def last_eval(output_dir: str) -> float:
     ("zimage", "nft", True),
     ("flux2-klein", "grpo", False),
     ("qwenimage", "awm", True),
+    ("flux2", "nft", False),
 ])
 def test_two_processes_train_export_and_evaluate_as_in_training(family, objective, use_lora, prompt_file, tmp_path):
     import diffusers

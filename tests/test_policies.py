@@ -11,6 +11,7 @@ from genrl.errors import SetupError
 from genrl.policies import (
     POLICIES,
     Flux2KleinPolicy,
+    Flux2Policy,
     FluxPolicy,
     QwenImagePolicy,
     SD3Policy,
@@ -24,6 +25,7 @@ from genrl.seeding import latent_generator
 from genrl.testing.tiny_pipelines import (
     FAMILIES,
     TINY_CHAT_MAX_LENGTH,
+    TINY_MISTRAL_MAX_LENGTH,
     TINY_SAMPLING_DEFAULTS,
     VARIANTS,
     build_tiny_pipeline,
@@ -33,8 +35,10 @@ from genrl.testing.tiny_pipelines import (
 torch.set_num_threads(2)
 
 ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy,
-            "qwenimage": QwenImagePolicy}
-CHAT_FAMILIES = ("zimage", "flux2-klein", "qwenimage")  # prompts through a chat template (the tiny chat tokenizer)
+            "qwenimage": QwenImagePolicy, "flux2": Flux2Policy}
+# Prompts through a chat template: the tiny Qwen and Mistral tokenizers' token limits.
+CHAT_LIMITS = {"zimage": TINY_CHAT_MAX_LENGTH, "flux2-klein": TINY_CHAT_MAX_LENGTH, "qwenimage": TINY_CHAT_MAX_LENGTH,
+               "flux2": TINY_MISTRAL_MAX_LENGTH}
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +115,18 @@ def test_load_policy_errors(tmp_path, monkeypatch):
         patch.setattr(diffusers, "ZImagePipeline", None)
         with pytest.raises(SetupError, match=r"is a ZImagePipeline, which the installed diffusers .* does not have; upgrade"):
             load_policy(str(tmp_path))
+    # FLUX.2 [dev]'s tokenizer is a PixtralProcessor, whose image half needs torchvision: where a
+    # package is missing, transformers stands in a placeholder that names it.
+    import transformers
+
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"],
+        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"]}))
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers, "PixtralProcessor", type("Placeholder", (), {"_backends": ["torchvision"]}))
+        with pytest.raises(SetupError, match=r"cannot be loaded here: its tokenizer \(PixtralProcessor\) needs torchvision, "
+                                             r"which is not installed \(pip install torchvision\)\.$"):
+            load_policy(str(tmp_path))
     # Wan2.2-T2V-A14B's index (no weights here at all: the sentence must come from the index alone).
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": "WanPipeline", "boundary_ratio": 0.875, "transformer": ["diffusers", "WanTransformer3DModel"],
@@ -143,7 +159,7 @@ def test_max_sequence_length_sets_the_t5_tokens_and_the_model_runs_on_them(famil
     Default: the pipeline's (256 / 512), capped by the tiny tokenizers' 16 (the chat tokenizer's
     32); a value above the tokenizer's is capped too."""
     clip_tokens = 16 if family == "sd3" else 0
-    cap = TINY_CHAT_MAX_LENGTH if family in CHAT_FAMILIES else 16
+    cap = CHAT_LIMITS.get(family, 16)
     for asked, tokens in ((None, cap), (5, 5), (100, cap)):
         policy = load_policy(tiny_dirs[family], max_sequence_length=asked).to("cpu")
         assert policy.max_sequence_length == tokens
@@ -174,7 +190,7 @@ def test_encode_prompts_is_batch_first_with_negatives_for_true_cfg(family, polic
     with_cfg = policy.encode_prompts(prompts, "cpu", guidance_scale=4.0, negative_prompt="dark")
     without = policy.encode_prompts(prompts, "cpu", guidance_scale=policy.conditional_guidance(4.0))
     has_negatives = any(k.startswith("negative_") for k in with_cfg)
-    assert has_negatives == (family != "flux")
+    assert has_negatives == policy.uses_true_cfg and policy.uses_true_cfg == (family not in ("flux", "flux2"))
     assert not any(k.startswith("negative_") for k in without)
     assert all(v.shape[0] == 2 for v in with_cfg.values())
     assert not torch.equal(with_cfg["prompt_embeds"][0], with_cfg["prompt_embeds"][1])
@@ -211,7 +227,7 @@ def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
 
 @pytest.mark.parametrize(
     "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8)),
-                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4))]
+                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4)), ("flux2", (16, 4, 4))]
 )
 def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
     policy = policies[family]
@@ -285,8 +301,9 @@ def test_a_step_distilled_klein_ignores_guidance_as_its_pipeline_does():
     assert torch.equal(guided, plain)
 
 
-def test_flux_guidance_is_a_transformer_input(policies):
-    policy = policies["flux"]
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_flux_guidance_is_a_transformer_input(family, policies):
+    policy = policies[family]
     embeds = policy.encode_prompts(["a red circle"], "cpu", guidance_scale=3.5)
     latents = policy.prepare_latents(_generators(1), 32, 32, 1, "cpu")
     t = torch.tensor([700.0])
@@ -310,7 +327,8 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
                                                     ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
                                                     ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0), ("zimage", 3.0),
                                                     ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0),
-                                                    ("qwenimage", 4.0), ("qwenimage", 1.0)])
+                                                    ("qwenimage", 4.0), ("qwenimage", 1.0), ("flux2", 4.0),
+                                                    ("flux2", 1.5)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
@@ -355,6 +373,8 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         final = policy.pipeline(**{**kwargs, "output_type": "latent"}).images
         ours = rollout.final_latents
         torch.testing.assert_close(type(policy.pipeline)._pack_latents(ours, *ours.shape), final, rtol=0, atol=1e-5)
+    elif policy.family == "flux2":  # guidance goes in as an input of the transformer
+        expected = policy.pipeline(latents=latents, **kwargs).images.unsqueeze(2)
     else:
         packed = FluxPipeline._pack_latents(latents, *latents.shape)
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)

@@ -59,6 +59,8 @@ JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_
     ("flux2_klein_grpo.yaml", "flux2-klein",
      JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
     ("qwenimage_grpo.yaml", "qwenimage", JOINT_ATTENTION[:-1] + r"|\.(img_mlp|txt_mlp)\.net\.0\.proj$", 64),
+    ("flux2_dev_grpo.yaml", "flux2",
+     JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
 ])
 def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_pattern, rank):
     """Flow-GRPO's and DiffusionNFT's LoRA targets, which name the joint attention's projections
@@ -104,6 +106,7 @@ def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps,
     ("zimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),  # Flow-Factory: 48 unique prompts, 2 steps an epoch
     ("flux2_klein_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
     ("qwenimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
+    ("flux2_dev_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
 ])
 def test_flow_factory_recipes_lay_out_its_epoch_on_8_gpus(name, group_size, groups, steps, window, std_mode):
     """Flow-Factory's GRPO epoch at the recipe's 8 processes: prompt groups of its size, optimizer

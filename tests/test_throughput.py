@@ -31,7 +31,8 @@ def counted_on_cpu(policy, transformer) -> tuple[int, int]:
 # Z-Image: captions of the prompt's own length (its token mask stays real while counting on meta),
 # one input tensor per sequence, and a RoPE table the meta count must not leave behind.
 @pytest.mark.parametrize("family, use_lora", [("sd3", False), ("sd3", True), ("wan", True), ("flux", False),
-                                              ("zimage", True), ("flux2-klein", False), ("qwenimage", True)])
+                                              ("zimage", True), ("flux2-klein", False), ("qwenimage", True),
+                                              ("flux2", True)])
 def test_the_flop_count_is_flop_counter_modes_own_count_of_the_module(family, use_lora):
     policy = build_tiny_policy(family)
     make_trainable(policy.transformer, use_lora=use_lora, rank=4, lora_alpha=4, lora_target_modules="to_q,to_k,to_v,to_out.0",

@@ -1,5 +1,6 @@
-"""FLUX.2 [klein] (``Flux2KleinPipeline``): a Qwen3 text encoder (three of its hidden layers side by
-side), an MMDiT over 2x2-patchified latents normalised by the VAE's batch norm, true CFG."""
+"""FLUX.2: [dev] (``Flux2Pipeline``: Mistral Small 3.1 text encoder, guidance as an input) and
+[klein] (``Flux2KleinPipeline``: Qwen3, true CFG), each reading three hidden layers of its text
+encoder side by side, with one MMDiT over 2x2-patchified latents normalised by the VAE's batch norm."""
 
 from __future__ import annotations
 
@@ -105,3 +106,25 @@ class Flux2KleinPolicy(Flux2LayoutPolicy):
             transformer, torch.cat([latents, latents]), torch.cat([timestep, timestep]), torch.cat([negative, context]), None
         )
         return self._guided(velocity, guidance_scale)
+
+
+class Flux2Policy(Flux2LayoutPolicy):
+    """FLUX.2 [dev]: guidance-distilled, the scale is an input of the transformer (no true CFG).
+    Its tokenizer is Mistral's ``PixtralProcessor``; the text half sets the token limit."""
+
+    family = "flux2"
+    uses_true_cfg = False
+
+    def text_tokenizer(self):
+        return getattr(self.pipeline.tokenizer, "tokenizer", self.pipeline.tokenizer)
+
+    @torch.no_grad()
+    def encode_prompts(self, prompts, device, guidance_scale, negative_prompt=""):
+        return {"prompt_embeds": self._encode(prompts, device)}
+
+    def predict_velocity(self, transformer, latents, timestep, embeds, guidance_scale):
+        (context,) = self._require(embeds, "prompt_embeds")
+        guidance = None
+        if self.transformer.config.get("guidance_embeds", False):
+            guidance = torch.full((len(latents),), float(guidance_scale), device=latents.device, dtype=torch.float32)
+        return self._transformer_velocity(transformer, latents, timestep, context, guidance)

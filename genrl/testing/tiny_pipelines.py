@@ -1,12 +1,14 @@
-"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline, for
-tests and benchmarks (training does not use them: the trainer's no-argument run uses the
-shipped toy model in ``genrl/assets/toy-shapes-t2i``).
+"""Tiny random-init diffusers pipelines (Wan video; SD3, FLUX.1, Z-Image, FLUX.2 and Qwen-Image
+images) built offline, for tests and benchmarks (training does not use them: the trainer's
+no-argument run uses the shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
-They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` objects with
+They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ... objects with
 the same components as the published models, shrunk to a few hundred thousand parameters,
 so that tests and benchmarks exercise the exact code paths of the full-size models on a
 CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
-split on whitespace and punctuation; other words map to ``<unk>``), built in memory by ``genrl.word_tokenizer``.
+split on whitespace and punctuation; other words map to ``<unk>``), built in memory by
+``genrl.word_tokenizer``; the chat-templated text encoders' (Qwen, Mistral) add their control
+tokens and template.
 
 ``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
 which ``genrl.policies.load_policy`` reads, so a loaded tiny pipeline samples at its own
@@ -27,6 +29,7 @@ from diffusers import (
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
+    Flux2Pipeline,
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
@@ -44,6 +47,8 @@ from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
     CLIPTextModelWithProjection,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
@@ -59,7 +64,7 @@ from transformers import (
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
-FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage")
+FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -78,6 +83,7 @@ TINY_SAMPLING_DEFAULTS = {
     "zimage": {"height": 32, "width": 32, "num_frames": 1},
     "flux2-klein": {"height": 32, "width": 32, "num_frames": 1},
     "qwenimage": {"height": 32, "width": 32, "num_frames": 1},
+    "flux2": {"height": 32, "width": 32, "num_frames": 1},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -116,8 +122,9 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
 
 
-# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3, Qwen-Image's Qwen2.5-VL). "\n" is a token of its own,
-# as it is in theirs, so that a template keeps the token count of the real one.
+# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3, Qwen-Image's
+# Qwen2.5-VL). "\n" is a token of its own, as it is in theirs, so that a template keeps the token
+# count of the real one (Qwen-Image drops its template's first 34 tokens).
 CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "\n", "<think>", "</think>")
 TINY_CHAT_VOCAB = TINY_VOCAB + CHAT_TOKENS + ("system", "user", "assistant")
 # Qwen3's chat template, cut to text messages: with enable_thinking=False the answer starts with
@@ -129,16 +136,38 @@ QWEN_CHAT_TEMPLATE = (
 )
 TINY_CHAT_MAX_LENGTH = 32  # tokens per templated prompt
 
+# Mistral Small 3.1's control tokens (FLUX.2 [dev]'s text encoder) and its template for text
+# messages, whose content is a list of parts: [SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST].
+MISTRAL_TOKENS = ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[IMG]")
+TINY_MISTRAL_VOCAB = TINY_VOCAB + MISTRAL_TOKENS
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
+)
+TINY_MISTRAL_MAX_LENGTH = 64  # FLUX.2 [dev]'s system message alone is about 30 tokens
+
+
+def _chat_tokenizer(vocab: tuple[str, ...], special: tuple[str, ...], template: str, max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``vocab`` that reads each of ``special`` whole, applies the chat
+    ``template``, adds no tokens itself (the template does) and pads on the right."""
+    tokenizer = word_level_tokenizer(vocab, max_length, template=None)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in special]}
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
 
 def tiny_chat_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTokenizerFast:
-    """A word-level tokenizer over ``TINY_CHAT_VOCAB`` with Qwen's chat template, that adds no
-    special tokens itself (the template does) and pads on the right, as Qwen's tokenizers."""
-    tokenizer = word_level_tokenizer(TINY_CHAT_VOCAB, max_length, template=None)
-    tokenizer.add_special_tokens(
-        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in CHAT_TOKENS]}
-    )
-    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
-    return tokenizer
+    """Qwen's: ``TINY_CHAT_VOCAB`` with ``QWEN_CHAT_TEMPLATE``."""
+    return _chat_tokenizer(TINY_CHAT_VOCAB, CHAT_TOKENS, QWEN_CHAT_TEMPLATE, max_length)
+
+
+def tiny_mistral_tokenizer(max_length: int = TINY_MISTRAL_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """Mistral Small 3.1's: ``TINY_MISTRAL_VOCAB`` with ``MISTRAL_CHAT_TEMPLATE``."""
+    return _chat_tokenizer(TINY_MISTRAL_VOCAB, MISTRAL_TOKENS, MISTRAL_CHAT_TEMPLATE, max_length)
 
 
 def _qwen3_config(hidden_size: int, num_hidden_layers: int) -> Qwen3Config:
@@ -388,18 +417,23 @@ def _flux2_vae(latent_channels: int) -> AutoencoderKLFlux2:
 
 
 def _scale_flux2_timestep_embedding(transformer: Flux2Transformer2DModel) -> None:
-    """At these widths the default init leaves FLUX.2's timestep embedding near 0.1, and the
+    """At these widths the default init leaves FLUX.2's timestep (and guidance) embedding near 0.1, and the
     modulation gates it drives (bias-free) would all but shut the attention, where the prompt comes
     in: scaled to about unit size, the prompt (and the guidance) visibly moves the velocity."""
     with torch.no_grad():
-        transformer.time_guidance_embed.timestep_embedder.linear_2.weight.mul_(10.0)
+        embed = transformer.time_guidance_embed
+        for embedder in (embed.timestep_embedder, embed.guidance_embedder):
+            if embedder is not None:
+                embedder.linear_2.weight.mul_(10.0)
 
 
-def _build_flux2_klein() -> Flux2KleinPipeline:
-    """FLUX.2 [klein]'s layout: double- and single-stream blocks over 2x2-patchified latents, no
-    guidance embedding (true CFG), prompts as the Qwen3 hidden states of layers 9, 18 and 27 side
-    by side (so the tiny Qwen3 has 28 layers)."""
-    latent_channels, text_width = 4, 16
+_FLUX2_TEXT_WIDTH = 16  # the tiny text encoders' width; FLUX.2 reads three of their layers side by side
+
+
+def _flux2_parts(guidance_embeds: bool) -> dict:
+    """The transformer, scheduler and VAE both FLUX.2 pipelines share: double- and single-stream
+    blocks over 2x2-patchified latents, the pipelines' dynamically shifted schedule."""
+    latent_channels = 4
     transformer = Flux2Transformer2DModel(
         patch_size=1,
         in_channels=4 * latent_channels,  # the 2x2 patches' channels
@@ -407,23 +441,44 @@ def _build_flux2_klein() -> Flux2KleinPipeline:
         num_single_layers=1,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=3 * text_width,
+        joint_attention_dim=3 * _FLUX2_TEXT_WIDTH,
         timestep_guidance_channels=32,
         axes_dims_rope=(4, 4, 4, 4),
-        guidance_embeds=False,
+        guidance_embeds=guidance_embeds,
     )
     _scale_flux2_timestep_embedding(transformer)
     scheduler = FlowMatchEulerDiscreteScheduler(
         shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
         max_image_seq_len=4096, time_shift_type="exponential",
     )
-    return Flux2KleinPipeline(
-        scheduler=scheduler,
-        vae=_flux2_vae(latent_channels),
-        text_encoder=Qwen3ForCausalLM(_qwen3_config(hidden_size=text_width, num_hidden_layers=28)),
-        tokenizer=tiny_chat_tokenizer(),
-        transformer=transformer,
-    )
+    return {"transformer": transformer, "scheduler": scheduler, "vae": _flux2_vae(latent_channels)}
+
+
+def _build_flux2_klein() -> Flux2KleinPipeline:
+    """FLUX.2 [klein]'s layout: no guidance embedding (true CFG), prompts as the Qwen3 hidden
+    states of layers 9, 18 and 27 (so the tiny Qwen3 has 28 layers)."""
+    text_encoder = Qwen3ForCausalLM(_qwen3_config(hidden_size=_FLUX2_TEXT_WIDTH, num_hidden_layers=28))
+    return Flux2KleinPipeline(text_encoder=text_encoder, tokenizer=tiny_chat_tokenizer(), **_flux2_parts(False))
+
+
+def _build_flux2() -> Flux2Pipeline:
+    """FLUX.2 [dev]'s layout: a guidance embedding (guidance-distilled, no true CFG), prompts as the
+    hidden states of layers 10, 20 and 30 of Mistral Small 3.1's language model (so a 31-layer tiny
+    one, beside a one-layer Pixtral vision tower) after FLUX.2's system message. Its tokenizer is a
+    tokenizer, not the real checkpoint's PixtralProcessor, whose image half needs torchvision: the
+    pipeline hands it text alone, which the processor passes on to its tokenizer."""
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=len(TINY_MISTRAL_VOCAB), hidden_size=_FLUX2_TEXT_WIDTH,
+            intermediate_size=32, num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=TINY_VOCAB.index("<bos>"),
+            eos_token_id=TINY_VOCAB.index("<eos>"), initializer_range=0.2,
+        ),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=TINY_MISTRAL_VOCAB.index("[IMG]"),
+    ))
+    return Flux2Pipeline(text_encoder=text_encoder, tokenizer=tiny_mistral_tokenizer(), **_flux2_parts(True))
 
 
 def _build_qwenimage() -> QwenImagePipeline:
@@ -471,12 +526,12 @@ def _build_sd35() -> StableDiffusion3Pipeline:
 
 
 _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
-             "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
-             "wan2.2-a14b": _build_wan22_a14b}
+             "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "flux2": _build_flux2,
+             "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
-    """A tiny random-init pipeline of ``family`` ("wan", "sd3" or "flux", or a layout in
+    """A tiny random-init pipeline of ``family`` (one of ``FAMILIES``, or a layout in
     ``VARIANTS``), float32 on CPU.
 
     The same seed gives the same weights; the global torch RNG is left untouched.
