@@ -108,8 +108,9 @@ def count_transformer_flops(
 class TransformerTally:
     """Counts the sequences that go through ``modules`` (the trained transformer, the frozen
     reference copy), by grad mode, with a forward pre-hook on each: the batch size of the
-    ``hidden_states`` of every call (their number where it is a list). ``take()`` gives the FLOPs of the sequences counted since
-    the last ``take()`` at ``cost`` per sequence (None without a ``cost``)."""
+    ``hidden_states`` of every call (their number where it is a list, one tensor a sequence).
+    ``take()`` gives the FLOPs of the sequences counted since the last ``take()`` at ``cost`` per
+    sequence (None without a ``cost``)."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], cost: TransformerCost | None):
         self.cost = cost

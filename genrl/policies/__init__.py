@@ -32,7 +32,8 @@ POLICIES: dict[str, type[FlowPolicy]] = {
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
-__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy", "Flux2Policy", "QwenImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+__all__ = ["FlowPolicy", "WanPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy", "Flux2Policy",
+           "QwenImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
