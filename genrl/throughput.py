@@ -86,7 +86,8 @@ def count_transformer_flops(
     if policy.image_conditioned:  # the FLOPs do not depend on the pixels: a gray image of the size sampled
         encoded.update(policy.encode_images([PIL.Image.new("RGB", (width, height), (128, 128, 128))], height, width,
                                             num_frames, device))
-    embeds = {k: torch.empty_like(v, device="meta") for k, v in encoded.items()}
+    # Token masks stay real: their lengths shape the transformer's input (Z-Image, Qwen-Image).
+    embeds = {k: v if v.dtype == torch.bool else torch.empty_like(v, device="meta") for k, v in encoded.items()}
     latents = torch.zeros((1, *policy.latent_shape(height, width, num_frames)), device="meta")
     timestep = torch.zeros(1, device="meta")
     module = _MetaModule(transformer)
@@ -111,8 +112,9 @@ def count_transformer_flops(
 class TransformerTally:
     """Counts the sequences that go through ``modules`` (the trained transformer, the frozen
     reference copy), by grad mode, with a forward pre-hook on each: the batch size of the
-    ``hidden_states`` of every call. ``take()`` gives the FLOPs of the sequences counted since
-    the last ``take()`` at ``cost`` per sequence (None without a ``cost``)."""
+    ``hidden_states`` of every call (their number where it is a list, one tensor a sequence).
+    ``take()`` gives the FLOPs of the sequences counted since the last ``take()`` at ``cost`` per
+    sequence (None without a ``cost``)."""
 
     def __init__(self, modules: Sequence[torch.nn.Module], cost: TransformerCost | None):
         self.cost = cost
@@ -122,7 +124,10 @@ class TransformerTally:
 
     def _count(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         hidden = kwargs.get("hidden_states", args[0] if args else None)
-        sequences = int(hidden.shape[0]) if isinstance(hidden, torch.Tensor) else 0
+        if isinstance(hidden, (list, tuple)):  # one tensor per sequence (Z-Image)
+            sequences = len(hidden)
+        else:
+            sequences = int(hidden.shape[0]) if isinstance(hidden, torch.Tensor) else 0
         if torch.is_grad_enabled():
             self.grad += sequences
         else:

@@ -150,8 +150,9 @@ def test_old_velocities_are_recorded_only_for_the_micro_batches_asked(policies):
     assert torch.isnan(batch.old_velocity[[0, 2]]).all()
 
 
-def test_awm_step_is_the_advantage_weighted_flow_matching_loss(policies):
-    policy = policies["sd3"]
+@pytest.mark.parametrize("family", ["sd3", "zimage", "flux2-klein", "qwenimage", "flux2"])
+def test_awm_step_is_the_advantage_weighted_flow_matching_loss(family, policies):
+    policy = policies[family]
     rollout, config = _rollout(policy, guidance_scale=3.0)
     schedule = policy.timesteps_and_sigmas(config.num_inference_steps, rollout.final_latents, "cpu")
     batch = draw_forward_batch(rollout, *schedule, 2, seed=0, epoch=1)
@@ -162,7 +163,8 @@ def test_awm_step_is_the_advantage_weighted_flow_matching_loss(policies):
             policy, policy.transformer, batch, rollout.embeds, idx, 0, advantages, guidance_scale=config.guidance_scale,
         )
         embeds = {k: v[idx] for k, v in rollout.embeds.items()}
-        velocity = policy.predict_velocity(policy.transformer, batch.noisy[idx, 0], batch.timesteps[idx, 0], embeds, 1.0)
+        velocity = policy.predict_velocity(policy.transformer, batch.noisy[idx, 0], batch.timesteps[idx, 0], embeds,
+                                           policy.conditional_guidance(config.guidance_scale))
         expected, _ = awm_loss(velocity, batch.noisy[idx, 0], batch.clean[idx], batch.noise[idx, 0], advantages[idx])
     torch.testing.assert_close(loss, expected)
 

@@ -10,14 +10,38 @@ import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
 from genrl.errors import SetupError
-from genrl.policies import POLICIES, FluxPolicy, SD3Policy, WanImageToVideoPolicy, WanPolicy, load_policy, policy_for_pipeline
+from genrl.policies import (
+    POLICIES,
+    Flux2KleinPolicy,
+    Flux2Policy,
+    FluxPolicy,
+    QwenImagePolicy,
+    SD3Policy,
+    WanImageToVideoPolicy,
+    WanPolicy,
+    ZImagePolicy,
+    load_policy,
+    policy_for_pipeline,
+)
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
-from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, VARIANTS, build_tiny_pipeline, save_tiny_pipeline
+from genrl.testing.tiny_pipelines import (
+    FAMILIES,
+    TINY_CHAT_MAX_LENGTH,
+    TINY_MISTRAL_MAX_LENGTH,
+    TINY_SAMPLING_DEFAULTS,
+    VARIANTS,
+    build_tiny_pipeline,
+    save_tiny_pipeline,
+)
 
 torch.set_num_threads(2)
 
-ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy}
+ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy,
+            "qwenimage": QwenImagePolicy, "flux2": Flux2Policy}
+# Prompts through a chat template: the tiny Qwen and Mistral tokenizers' token limits.
+CHAT_LIMITS = {"zimage": TINY_CHAT_MAX_LENGTH, "flux2-klein": TINY_CHAT_MAX_LENGTH, "qwenimage": TINY_CHAT_MAX_LENGTH,
+               "flux2": TINY_MISTRAL_MAX_LENGTH}
 
 
 def _image(seed: int, height: int = 40, width: int = 48) -> PIL.Image.Image:
@@ -80,7 +104,7 @@ def test_load_policy_dtypes(tiny_dirs):
     assert set(policy.frozen_modules()) == {"vae", "text_encoder", "text_encoder_2", "text_encoder_3"}
 
 
-def test_load_policy_errors(tmp_path):
+def test_load_policy_errors(tmp_path, monkeypatch):
     """Each is a SetupError (the scripts print its one sentence), raised before any weights load."""
     with pytest.raises(SetupError, match="neither a local pipeline folder nor a Hub model id"):
         load_policy(str(tmp_path / "missing"))
@@ -91,6 +115,26 @@ def test_load_policy_errors(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(SetupError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
         load_policy(str(tmp_path))
+    # A family the installed diffusers does not have yet (an older diffusers without Z-Image).
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    import diffusers
+
+    with monkeypatch.context() as patch:
+        patch.setattr(diffusers, "ZImagePipeline", None)
+        with pytest.raises(SetupError, match=r"is a ZImagePipeline, which the installed diffusers .* does not have; upgrade"):
+            load_policy(str(tmp_path))
+    # FLUX.2 [dev]'s tokenizer is a PixtralProcessor, whose image half needs torchvision: where a
+    # package is missing, transformers stands in a placeholder that names it.
+    import transformers
+
+    (tmp_path / "model_index.json").write_text(json.dumps({
+        "_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"],
+        "text_encoder": ["transformers", "Mistral3ForConditionalGeneration"]}))
+    with monkeypatch.context() as patch:
+        patch.setattr(transformers, "PixtralProcessor", type("Placeholder", (), {"_backends": ["torchvision"]}))
+        with pytest.raises(SetupError, match=r"cannot be loaded here: its tokenizer \(PixtralProcessor\) needs torchvision, "
+                                             r"which is not installed \(pip install torchvision\)\.$"):
+            load_policy(str(tmp_path))
     # Wan2.2-T2V-A14B's index (no weights here at all: the sentence must come from the index alone).
     (tmp_path / "model_index.json").write_text(json.dumps({
         "_class_name": "WanPipeline", "boundary_ratio": 0.875, "transformer": ["diffusers", "WanTransformer3DModel"],
@@ -130,10 +174,12 @@ def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(t
 @pytest.mark.parametrize("family", FAMILIES)
 def test_max_sequence_length_sets_the_t5_tokens_and_the_model_runs_on_them(family, tiny_dirs):
     """SD3's prompt embeddings are its CLIP tokens (16 here) followed by the T5 ones; FLUX's and
-    Wan's are the T5/UMT5 tokens. Default: the pipeline's (256 / 512), capped by the tiny
-    tokenizers' 16; a value above the tokenizer's is capped too."""
+    Wan's are the T5/UMT5 tokens, Z-Image's and FLUX.2's the Qwen3 tokens of the chat-templated prompt.
+    Default: the pipeline's (256 / 512), capped by the tiny tokenizers' 16 (the chat tokenizer's
+    32); a value above the tokenizer's is capped too."""
     clip_tokens = 16 if family == "sd3" else 0
-    for asked, tokens in ((None, 16), (5, 5), (100, 16)):
+    cap = CHAT_LIMITS.get(family, 16)
+    for asked, tokens in ((None, cap), (5, 5), (100, cap)):
         policy = load_policy(tiny_dirs[family], max_sequence_length=asked).to("cpu")
         assert policy.max_sequence_length == tokens
         embeds = policy.encode_prompts(["a red circle", "a cat"], "cpu", guidance_scale=3.0)
@@ -161,18 +207,46 @@ def test_encode_prompts_is_batch_first_with_negatives_for_true_cfg(family, polic
     policy = policies[family]
     prompts = ["a red circle", "two blue squares left of a tree"]
     with_cfg = policy.encode_prompts(prompts, "cpu", guidance_scale=4.0, negative_prompt="dark")
-    without = policy.encode_prompts(prompts, "cpu", guidance_scale=1.0)
+    without = policy.encode_prompts(prompts, "cpu", guidance_scale=policy.conditional_guidance(4.0))
     has_negatives = any(k.startswith("negative_") for k in with_cfg)
-    assert has_negatives == (family != "flux")
+    assert has_negatives == policy.uses_true_cfg and policy.uses_true_cfg == (family not in ("flux", "flux2"))
     assert not any(k.startswith("negative_") for k in without)
     assert all(v.shape[0] == 2 for v in with_cfg.values())
     assert not torch.equal(with_cfg["prompt_embeds"][0], with_cfg["prompt_embeds"][1])
-    alone = policy.encode_prompts(prompts[1:], "cpu", guidance_scale=1.0)
+    alone = policy.encode_prompts(prompts[1:], "cpu", guidance_scale=policy.conditional_guidance(4.0))
     torch.testing.assert_close(alone["prompt_embeds"][0], without["prompt_embeds"][1])
 
 
+@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
+    """Families whose transformer sees each prompt's tokens alone keep them right-padded with a
+    mask: each row holds its own prompt's tokens, the caller's prompt list is left as it was
+    (Z-Image's pipeline writes the chat template into it), and a sample's velocity does not
+    depend on the lengths of the prompts beside it."""
+    policy = policies[family]
+    prompts = ["a cat", "two red dogs on a big table"]
+    embeds = policy.encode_prompts(prompts, "cpu", guidance_scale=3.0, negative_prompt="dark blue")
+    assert prompts == ["a cat", "two red dogs on a big table"]
+    for key in ("prompt_embeds", "negative_prompt_embeds"):
+        values, mask = embeds[key], embeds[f"{key}_mask"]
+        assert mask.dtype == torch.bool and mask.shape == values.shape[:2]
+        lengths = mask.sum(dim=1)
+        assert (mask == (torch.arange(mask.shape[1]) < lengths[:, None])).all(), "right-padded"
+        assert (values[~mask] == 0).all() and (values[mask].abs().sum(dim=-1) > 0).all()
+    assert embeds["prompt_embeds_mask"].sum(dim=1).tolist()[0] < embeds["prompt_embeds_mask"].sum(dim=1).tolist()[1]
+    latents = policy.prepare_latents(_generators(2), 32, 32, 1, "cpu")
+    t = torch.tensor([800.0, 300.0])
+    with torch.no_grad():
+        both = policy.predict_velocity(policy.transformer, latents, t, embeds, 3.0)
+        for i in range(2):
+            alone = policy.predict_velocity(policy.transformer, latents[i:i + 1], t[i:i + 1],
+                                            {k: v[i:i + 1] for k, v in embeds.items()}, 3.0)
+            torch.testing.assert_close(both[i:i + 1], alone, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
-    "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8))]
+    "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8)),
+                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4)), ("flux2", (16, 4, 4))]
 )
 def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
     policy = policies[family]
@@ -201,27 +275,54 @@ def test_schedule_starts_at_one_and_ends_at_zero(family, policies):
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000)
 
 
-@pytest.mark.parametrize("family", ["wan", "sd3"])
+@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein", "qwenimage"])
 def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
+    """v = v_u + g (v_c - v_u); Z-Image's pipeline writes it v = v_c + g (v_c - v_u), guidance 0
+    being the conditional velocity alone; Qwen-Image's rescales v to |v_c| token by token (a token:
+    a 2x2 patch of every channel)."""
     policy = policies[family]
     embeds = policy.encode_prompts(["a red circle", "a cat"], "cpu", guidance_scale=3.0, negative_prompt="blue")
     latents = policy.prepare_latents(_generators(2), 32, 32, 5, "cpu")
     t = torch.tensor([900.0, 400.0])
     cond = {k: v for k, v in embeds.items() if not k.startswith("negative_")}
     uncond = {k[len("negative_"):]: v for k, v in embeds.items() if k.startswith("negative_")}
+    alone = policy.conditional_guidance(3.0)
     with torch.no_grad():
-        v_c = policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=1.0)
-        v_u = policy.predict_velocity(policy.transformer, latents, t, uncond, guidance_scale=1.0)
+        v_c = policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=alone)
+        v_u = policy.predict_velocity(policy.transformer, latents, t, uncond, guidance_scale=alone)
         v = policy.predict_velocity(policy.transformer, latents, t, embeds, guidance_scale=3.0)
     assert v.shape == latents.shape and v.dtype == torch.float32
     assert not torch.allclose(v_c, v_u)
-    torch.testing.assert_close(v, v_u + 3.0 * (v_c - v_u), rtol=1e-5, atol=1e-5)
+    base = v_c if family == "zimage" else v_u
+    expected = base + 3.0 * (v_c - v_u)
+    if family == "qwenimage":
+        pack = lambda v: type(policy.pipeline)._pack_latents(v, *v.shape)  # noqa: E731
+        expected = expected * (pack(v_c).norm(dim=-1) / pack(expected).norm(dim=-1)).view(2, 2, 2).repeat_interleave(
+            2, dim=1).repeat_interleave(2, dim=2)[:, None]
+    torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=3.0)
 
 
-def test_flux_guidance_is_a_transformer_input(policies):
-    policy = policies["flux"]
+def test_a_step_distilled_klein_ignores_guidance_as_its_pipeline_does():
+    """FLUX.2 [klein]'s distilled checkpoints (``is_distilled`` in model_index.json) sample
+    without CFG whatever the scale: no negative embeddings, one forward."""
+    pipeline = build_tiny_pipeline("flux2-klein")
+    pipeline.register_to_config(is_distilled=True)
+    policy = policy_for_pipeline(pipeline).to("cpu")
+    assert not policy.use_cfg(4.0) and policy_for_pipeline(build_tiny_pipeline("flux2-klein")).use_cfg(4.0)
+    embeds = policy.encode_prompts(["a cat"], "cpu", guidance_scale=4.0)
+    assert set(embeds) == {"prompt_embeds"}
+    latents = policy.prepare_latents(_generators(1), 32, 32, 1, "cpu")
+    with torch.no_grad():
+        guided = policy.predict_velocity(policy.transformer, latents, torch.tensor([600.0]), embeds, 4.0)
+        plain = policy.predict_velocity(policy.transformer, latents, torch.tensor([600.0]), embeds, 1.0)
+    assert torch.equal(guided, plain)
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_flux_guidance_is_a_transformer_input(family, policies):
+    policy = policies[family]
     embeds = policy.encode_prompts(["a red circle"], "cpu", guidance_scale=3.5)
     latents = policy.prepare_latents(_generators(1), 32, 32, 1, "cpu")
     t = torch.tensor([700.0])
@@ -245,7 +346,10 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
                                                     ("sd3", 1.0), ("sd3.5", 3.0), ("flux", 3.0), ("wan2.2-a14b", 3.0),
                                                     ("wan2.2-a14b", 1.0), ("wan2.2-a14b/low", 3.0),
                                                     ("wan2.1-i2v", 3.0), ("wan2.1-i2v", 1.0), ("wan2.2-i2v", 3.0),
-                                                    ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b/low", 3.0)])
+                                                    ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b/low", 3.0), ("zimage", 3.0),
+                                                    ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0),
+                                                    ("qwenimage", 4.0), ("qwenimage", 1.0), ("flux2", 4.0),
+                                                    ("flux2", 1.5)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
@@ -276,7 +380,7 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
     latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
     kwargs = dict(
         prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=guidance_scale,
-        output_type="pt", max_sequence_length=16,
+        output_type="pt", max_sequence_length=policy.max_sequence_length,
     )
     if policy.family == "wan":
         out = policy.pipeline(latents=latents, num_frames=num_frames, negative_prompt="dark", **kwargs, **extra).frames
@@ -284,6 +388,22 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
     elif policy.family == "sd3":
         out = policy.pipeline(latents=latents, negative_prompt="dark", **kwargs).images
         expected = out.unsqueeze(2)
+    elif policy.family == "zimage":  # its pipeline writes the chat template into the prompt list it is given
+        kwargs.update(prompt=list(prompts))
+        expected = policy.pipeline(latents=latents, negative_prompt=["dark"] * 2, **kwargs).images.unsqueeze(2)
+    elif policy.family == "flux2-klein":  # its pipeline takes the negative prompt as embeddings only
+        negative, _ = policy.pipeline.encode_prompt(["dark"] * 2, max_sequence_length=policy.max_sequence_length)
+        expected = policy.pipeline(latents=latents, negative_prompt_embeds=negative, **kwargs).images.unsqueeze(2)
+    elif policy.family == "qwenimage":  # true_cfg_scale, and CFG only with a negative prompt
+        kwargs.update(latents=type(policy.pipeline)._pack_latents(latents, *latents.shape), guidance_scale=None,
+                      true_cfg_scale=guidance_scale, negative_prompt="dark" if guidance_scale > 1 else None)
+        expected = policy.pipeline(**kwargs).images.unsqueeze(2)
+        # Its tiny VAE decodes almost any latents to nearly the same image: the loop is compared before it too.
+        final = policy.pipeline(**{**kwargs, "output_type": "latent"}).images
+        ours = rollout.final_latents
+        torch.testing.assert_close(type(policy.pipeline)._pack_latents(ours, *ours.shape), final, rtol=0, atol=1e-5)
+    elif policy.family == "flux2":  # guidance goes in as an input of the transformer
+        expected = policy.pipeline(latents=latents, **kwargs).images.unsqueeze(2)
     else:
         packed = FluxPipeline._pack_latents(latents, *latents.shape)
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)

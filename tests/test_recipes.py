@@ -53,6 +53,14 @@ JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_
     ("sd35_medium_diffusionnft.yaml", "sd3.5", JOINT_ATTENTION, 32),
     # Flow-GRPO's train_flux.py: the attention (single blocks' included) and the double blocks' feed-forwards.
     ("flux1_dev_grpo.yaml", "flux", JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.net\.(0\.proj|2)$", 64),
+    # Flow-Factory's Z-Image default: every block's attention and SwiGLU (refiners included).
+    ("zimage_grpo.yaml", "zimage", r"\.attention\.(to_q|to_k|to_v|to_out\.0)$|\.feed_forward\.(w1|w2|w3)$", 64),
+    # Flow-Factory's FLUX.2 [klein] list: the single blocks' fused projection, not their attn.to_out.
+    ("flux2_klein_grpo.yaml", "flux2-klein",
+     JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
+    ("qwenimage_grpo.yaml", "qwenimage", JOINT_ATTENTION[:-1] + r"|\.(img_mlp|txt_mlp)\.net\.0\.proj$", 64),
+    ("flux2_dev_grpo.yaml", "flux2",
+     JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
 ])
 def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_pattern, rank):
     """Flow-GRPO's and DiffusionNFT's LoRA targets, which name the joint attention's projections
@@ -92,6 +100,24 @@ def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps,
     assert train_args.num_trained_timesteps(args) == timesteps
     assert args.std_mode == "global" and args.use_ema and (args.ema_decay, args.ema_update_interval) == (0.9, ema_interval)
     assert not args.same_latent and args.reward_fn == "pickscore:1.0" and args.max_sequence_length == 128
+
+
+@pytest.mark.parametrize("name, group_size, groups, steps, window, std_mode", [
+    ("zimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),  # Flow-Factory: 48 unique prompts, 2 steps an epoch
+    ("flux2_klein_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
+    ("qwenimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
+    ("flux2_dev_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
+])
+def test_flow_factory_recipes_lay_out_its_epoch_on_8_gpus(name, group_size, groups, steps, window, std_mode):
+    """Flow-Factory's GRPO epoch at the recipe's 8 processes: prompt groups of its size, optimizer
+    steps, one SDE step per prompt drawn from its window, PickScore as the reward."""
+    args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
+    per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
+    assert per_gpu % args.group_size == 0, "whole groups on each process"
+    assert (args.group_size, 8 * per_gpu // args.group_size) == (group_size, groups)
+    assert per_gpu // (args.train_batch_size * args.gradient_accumulation_steps) == steps
+    assert (args.sde_window_size, args.sde_window_range) == window and train_args.num_trained_timesteps(args) == 1
+    assert args.std_mode == std_mode and args.objective == "grpo" and args.reward_fn == "pickscore:1.0"
 
 
 # The recipe's training values on the tiny model, CPU-sized: what is overridden is only what needs a

@@ -28,7 +28,11 @@ def counted_on_cpu(policy, transformer) -> tuple[int, int]:
     return forward, counter.get_total_flops()
 
 
-@pytest.mark.parametrize("family, use_lora", [("sd3", False), ("sd3", True), ("wan", True), ("flux", False)])
+# Z-Image: captions of the prompt's own length (its token mask stays real while counting on meta),
+# one input tensor per sequence, and a RoPE table the meta count must not leave behind.
+@pytest.mark.parametrize("family, use_lora", [("sd3", False), ("sd3", True), ("wan", True), ("flux", False),
+                                              ("zimage", True), ("flux2-klein", False), ("qwenimage", True),
+                                              ("flux2", True)])
 def test_the_flop_count_is_flop_counter_modes_own_count_of_the_module(family, use_lora):
     policy = build_tiny_policy(family)
     make_trainable(policy.transformer, use_lora=use_lora, rank=4, lora_alpha=4, lora_target_modules="to_q,to_k,to_v,to_out.0",
@@ -44,13 +48,16 @@ def test_the_flop_count_is_flop_counter_modes_own_count_of_the_module(family, us
 
 
 class Block(torch.nn.Module):
-    """Takes ``hidden_states`` as the transformers do (positional or keyword)."""
+    """Takes ``hidden_states`` as the transformers do (positional or keyword; a batch tensor, or
+    one tensor per sequence as Z-Image's)."""
 
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(3, 3)
 
     def forward(self, hidden_states, scale=1.0):
+        if isinstance(hidden_states, list):
+            hidden_states = torch.stack(hidden_states)
         return self.linear(hidden_states) * scale
 
 
@@ -60,9 +67,10 @@ def test_the_tally_counts_sequences_by_grad_mode_and_prices_them():
     with torch.no_grad():
         module(torch.zeros(4, 3))
         other(hidden_states=torch.zeros(2, 3), scale=2.0)
+        module([torch.zeros(3)] * 5)
     module(hidden_states=torch.zeros(3, 3)).sum().backward()
-    assert (tally.no_grad, tally.grad) == (6, 3)
-    assert tally.take() == 6 * 10 + 3 * 25
+    assert (tally.no_grad, tally.grad) == (11, 3)
+    assert tally.take() == 11 * 10 + 3 * 25
     assert tally.take() == 0
     tally.close()
     module(torch.zeros(1, 3))

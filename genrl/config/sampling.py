@@ -25,7 +25,9 @@ class SamplingArguments:
         "and DiffusionNFT use 128). Padding tokens join the transformer's attention.",
     )
     num_inference_steps: int = HfArg(default=10, help="Denoising steps per sample.")
-    guidance_scale: float = HfArg(default=4.5, help="Classifier-free guidance scale (1: off).")
+    guidance_scale: float = HfArg(
+        default=4.5, help="Classifier-free guidance scale, as the model's pipeline reads it (1: off; Z-Image's: 0)."
+    )
     negative_prompt: str = HfArg(default="", help="Negative prompt for classifier-free guidance.")
     guidance_scale_2: float | None = HfArg(
         default=None, help="Two-expert Wan 2.2: the guidance scale of the low-noise expert's steps (default: --guidance_scale)."

@@ -11,9 +11,12 @@ import torch
 from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
+from genrl.policies.flux2 import Flux2KleinPolicy, Flux2Policy
+from genrl.policies.qwenimage import QwenImagePolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
 from genrl.policies.wan_i2v import WanImageToVideoPolicy
+from genrl.policies.zimage import ZImagePolicy
 from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
@@ -22,12 +25,17 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "WanImageToVideoPipeline": WanImageToVideoPolicy,
     "StableDiffusion3Pipeline": SD3Policy,
     "FluxPipeline": FluxPolicy,
+    "ZImagePipeline": ZImagePolicy,
+    "Flux2KleinPipeline": Flux2KleinPolicy,
+    "QwenImagePipeline": QwenImagePolicy,
+    "Flux2Pipeline": Flux2Policy,
 }
 
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
-__all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+__all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy",
+           "Flux2Policy", "QwenImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -71,6 +79,19 @@ def pipeline_class_for(path: str, index: dict, image_conditioned: bool | None) -
                          f"have an image column; leave it out (--image_column names it) or train an image-to-video model.")
     raise SetupError(f"{path!r} is an image-to-video pipeline ({class_name}): every prompt needs a conditioning image, "
                      f"and the prompts have no image column (--image_column names it).")
+def _component_without_its_packages(index: dict) -> str | None:
+    """Why a transformers component of ``model_index.json`` cannot be built here, or None:
+    transformers stands in a placeholder, naming the packages it needs (``_backends``), for a
+    class whose packages are missing (FLUX.2 [dev]'s PixtralProcessor needs torchvision)."""
+    import transformers
+
+    for name, value in index.items():
+        if isinstance(value, list) and len(value) == 2 and value[0] == "transformers":
+            needs = getattr(getattr(transformers, str(value[1]), None), "_backends", None)
+            if needs:
+                packages = " ".join(needs)
+                return f"its {name} ({value[1]}) needs {packages}, which is not installed (pip install {packages})"
+    return None
 
 
 def policy_for_pipeline(pipeline, **defaults) -> FlowPolicy:
@@ -122,6 +143,12 @@ def load_policy(
     class_name = index.get("_class_name")
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
+    if getattr(diffusers, class_name, None) is None:
+        raise SetupError(f"{path!r} is a {class_name}, which the installed diffusers {diffusers.__version__} does not "
+                         "have; upgrade it (pip install -U diffusers).")
+    unusable = _component_without_its_packages(index)
+    if unusable:
+        raise SetupError(f"{path!r} cannot be loaded here: {unusable}.")
     class_name = pipeline_class_for(path, index, image_conditioned)
     two_experts = (index.get("transformer_2") or [None])[0] is not None
     if two_experts and wan_expert not in EXPERTS and not (sampling_only and wan_expert is None):  # before any weights load

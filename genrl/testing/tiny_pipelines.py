@@ -1,12 +1,14 @@
-"""Tiny random-init diffusers pipelines (Wan video, SD3 and FLUX images) built offline, for
-tests and benchmarks (training does not use them: the trainer's no-argument run uses the
-shipped toy model in ``genrl/assets/toy-shapes-t2i``).
+"""Tiny random-init diffusers pipelines (Wan video; SD3, FLUX.1, Z-Image, FLUX.2 and Qwen-Image
+images) built offline, for tests and benchmarks (training does not use them: the trainer's
+no-argument run uses the shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
-They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` objects with
+They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ... objects with
 the same components as the published models, shrunk to a few hundred thousand parameters,
 so that tests and benchmarks exercise the exact code paths of the full-size models on a
 CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
-split on whitespace and punctuation; other words map to ``<unk>``), built in memory by ``genrl.word_tokenizer``.
+split on whitespace and punctuation; other words map to ``<unk>``), built in memory by
+``genrl.word_tokenizer``; the chat-templated text encoders' (Qwen, Mistral) add their control
+tokens and template.
 
 ``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
 which ``genrl.policies.load_policy`` reads, so a loaded tiny pipeline samples at its own
@@ -21,17 +23,27 @@ import os
 import torch
 from diffusers import (
     AutoencoderKL,
+    AutoencoderKLFlux2,
+    AutoencoderKLQwenImage,
     AutoencoderKLWan,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
+    Flux2KleinPipeline,
+    Flux2Pipeline,
+    Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
     StableDiffusion3Pipeline,
     WanImageToVideoPipeline,
     WanPipeline,
     WanTransformer3DModel,
+    ZImagePipeline,
+    ZImageTransformer2DModel,
 )
+from tokenizers import AddedToken
 from transformers import (
     CLIPImageProcessor,
     CLIPTextConfig,
@@ -39,7 +51,14 @@ from transformers import (
     CLIPTextModelWithProjection,
     CLIPVisionConfig,
     CLIPVisionModel,
+    Mistral3Config,
+    Mistral3ForConditionalGeneration,
     PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+    Qwen3Model,
     T5Config,
     T5EncoderModel,
     UMT5Config,
@@ -49,7 +68,7 @@ from transformers import (
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
-FAMILIES = ("wan", "sd3", "flux")
+FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -71,6 +90,10 @@ TINY_SAMPLING_DEFAULTS = {
     "sd3": {"height": 32, "width": 32, "num_frames": 1},
     "sd3.5": {"height": 32, "width": 32, "num_frames": 1},
     "flux": {"height": 32, "width": 32, "num_frames": 1},
+    "zimage": {"height": 32, "width": 32, "num_frames": 1},
+    "flux2-klein": {"height": 32, "width": 32, "num_frames": 1},
+    "qwenimage": {"height": 32, "width": 32, "num_frames": 1},
+    "flux2": {"height": 32, "width": 32, "num_frames": 1},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -107,6 +130,70 @@ def tiny_tokenizer(max_length: int = TINY_MAX_LENGTH, add_bos: bool = True) -> P
     ``add_bos``: CLIP-style ``<bos> words <eos>``; otherwise T5-style ``words <eos>``.
     """
     return word_level_tokenizer(TINY_VOCAB, max_length, template=BOS_EOS_TEMPLATE if add_bos else "$A <eos>")
+
+
+# The chat-template tokens of the Qwen tokenizers (Z-Image's and FLUX.2 [klein]'s Qwen3, Qwen-Image's
+# Qwen2.5-VL). "\n" is a token of its own, as it is in theirs, so that a template keeps the token
+# count of the real one (Qwen-Image drops its template's first 34 tokens).
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "\n", "<think>", "</think>")
+TINY_CHAT_VOCAB = TINY_VOCAB + CHAT_TOKENS + ("system", "user", "assistant")
+# Qwen3's chat template, cut to text messages: with enable_thinking=False the answer starts with
+# an empty thought.
+QWEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+TINY_CHAT_MAX_LENGTH = 32  # tokens per templated prompt
+
+# Mistral Small 3.1's control tokens (FLUX.2 [dev]'s text encoder) and its template for text
+# messages, whose content is a list of parts: [SYSTEM_PROMPT]system[/SYSTEM_PROMPT][INST]user[/INST].
+MISTRAL_TOKENS = ("[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "[IMG]")
+TINY_MISTRAL_VOCAB = TINY_VOCAB + MISTRAL_TOKENS
+MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% set text = m['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') %}"
+    "{% if m['role'] == 'system' %}[SYSTEM_PROMPT]{{ text }}[/SYSTEM_PROMPT]"
+    "{% elif m['role'] == 'user' %}[INST]{{ text }}[/INST]{% endif %}{% endfor %}"
+)
+TINY_MISTRAL_MAX_LENGTH = 64  # FLUX.2 [dev]'s system message alone is about 30 tokens
+
+
+def _chat_tokenizer(vocab: tuple[str, ...], special: tuple[str, ...], template: str, max_length: int) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``vocab`` that reads each of ``special`` whole, applies the chat
+    ``template``, adds no tokens itself (the template does) and pads on the right."""
+    tokenizer = word_level_tokenizer(vocab, max_length, template=None)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": [AddedToken(t, normalized=False, special=True) for t in special]}
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def tiny_chat_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """Qwen's: ``TINY_CHAT_VOCAB`` with ``QWEN_CHAT_TEMPLATE``."""
+    return _chat_tokenizer(TINY_CHAT_VOCAB, CHAT_TOKENS, QWEN_CHAT_TEMPLATE, max_length)
+
+
+def tiny_mistral_tokenizer(max_length: int = TINY_MISTRAL_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """Mistral Small 3.1's: ``TINY_MISTRAL_VOCAB`` with ``MISTRAL_CHAT_TEMPLATE``."""
+    return _chat_tokenizer(TINY_MISTRAL_VOCAB, MISTRAL_TOKENS, MISTRAL_CHAT_TEMPLATE, max_length)
+
+
+def _qwen3_config(hidden_size: int, num_hidden_layers: int) -> Qwen3Config:
+    """A Qwen3 of two heads (one key/value head) over ``TINY_CHAT_VOCAB``."""
+    return Qwen3Config(
+        vocab_size=len(TINY_CHAT_VOCAB),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=hidden_size // 2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        initializer_range=0.2,  # prompts far enough apart that guidance visibly moves the velocity
+    )
 
 
 def _clip_text_config(hidden_size: int, projection_dim: int) -> CLIPTextConfig:
@@ -146,23 +233,25 @@ def _t5_encoder() -> T5EncoderModel:
     return T5EncoderModel(config)
 
 
+# The blocks of every tiny KL autoencoder (SD3's, FLUX's, FLUX.2's): 4x spatial compression.
+_TINY_KL_BLOCKS = dict(
+    down_block_types=("DownEncoderBlock2D",) * 3,
+    up_block_types=("UpDecoderBlock2D",) * 3,
+    block_out_channels=(8, 8, 16),
+    layers_per_block=1,
+    norm_num_groups=4,
+    sample_size=32,
+    use_quant_conv=False,
+    use_post_quant_conv=False,
+    mid_block_add_attention=False,
+)
+
+
 def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float) -> AutoencoderKL:
     """SD3/FLUX-style KL autoencoder with 4x spatial compression (3 blocks)."""
     return AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(8, 8, 16),
-        layers_per_block=1,
-        latent_channels=latent_channels,
-        norm_num_groups=4,
-        sample_size=32,
-        scaling_factor=scaling_factor,
-        shift_factor=shift_factor,
-        use_quant_conv=False,
-        use_post_quant_conv=False,
-        mid_block_add_attention=False,
+        in_channels=3, out_channels=3, latent_channels=latent_channels, scaling_factor=scaling_factor,
+        shift_factor=shift_factor, **_TINY_KL_BLOCKS,
     )
 
 
@@ -350,19 +439,159 @@ def _build_flux() -> FluxPipeline:
     )
 
 
+def _build_zimage() -> ZImagePipeline:
+    """Z-Image's layout: a single-stream DiT (noise and caption refiners, then joint layers) over
+    FLUX's 16-channel VAE (here 4), captions from Qwen3's second-to-last hidden states."""
+    latent_channels = 4
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,),
+        all_f_patch_size=(1,),
+        in_channels=latent_channels,
+        dim=32,
+        n_layers=2,
+        n_refiner_layers=1,
+        n_heads=2,
+        n_kv_heads=2,
+        cap_feat_dim=32,  # the Qwen3 width
+        axes_dims=[4, 6, 6],  # sums to the head dim
+        axes_lens=[64, 16, 16],
+    )
+    return ZImagePipeline(
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_image_vae(latent_channels, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=Qwen3Model(_qwen3_config(hidden_size=32, num_hidden_layers=2)),
+        tokenizer=tiny_chat_tokenizer(),
+        transformer=transformer,
+    )
+
+
+def _flux2_vae(latent_channels: int) -> AutoencoderKLFlux2:
+    """FLUX.2's KL autoencoder with 4x spatial compression (3 blocks); its batch norm over the
+    2x2-patchified latents has non-trivial statistics, so that decoding must undo them."""
+    vae = AutoencoderKLFlux2(latent_channels=latent_channels, **_TINY_KL_BLOCKS)
+    patched = 4 * latent_channels
+    vae.bn.running_mean.copy_(torch.linspace(-0.5, 0.5, patched))
+    vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, patched))
+    return vae
+
+
+def _scale_flux2_timestep_embedding(transformer: Flux2Transformer2DModel) -> None:
+    """At these widths the default init leaves FLUX.2's timestep (and guidance) embedding near 0.1, and the
+    modulation gates it drives (bias-free) would all but shut the attention, where the prompt comes
+    in: scaled to about unit size, the prompt (and the guidance) visibly moves the velocity."""
+    with torch.no_grad():
+        embed = transformer.time_guidance_embed
+        for embedder in (embed.timestep_embedder, embed.guidance_embedder):
+            if embedder is not None:
+                embedder.linear_2.weight.mul_(10.0)
+
+
+_FLUX2_TEXT_WIDTH = 16  # the tiny text encoders' width; FLUX.2 reads three of their layers side by side
+
+
+def _flux2_parts(guidance_embeds: bool) -> dict:
+    """The transformer, scheduler and VAE both FLUX.2 pipelines share: double- and single-stream
+    blocks over 2x2-patchified latents, the pipelines' dynamically shifted schedule."""
+    latent_channels = 4
+    transformer = Flux2Transformer2DModel(
+        patch_size=1,
+        in_channels=4 * latent_channels,  # the 2x2 patches' channels
+        num_layers=1,
+        num_single_layers=1,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=3 * _FLUX2_TEXT_WIDTH,
+        timestep_guidance_channels=32,
+        axes_dims_rope=(4, 4, 4, 4),
+        guidance_embeds=guidance_embeds,
+    )
+    _scale_flux2_timestep_embedding(transformer)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+        max_image_seq_len=4096, time_shift_type="exponential",
+    )
+    return {"transformer": transformer, "scheduler": scheduler, "vae": _flux2_vae(latent_channels)}
+
+
+def _build_flux2_klein() -> Flux2KleinPipeline:
+    """FLUX.2 [klein]'s layout: no guidance embedding (true CFG), prompts as the Qwen3 hidden
+    states of layers 9, 18 and 27 (so the tiny Qwen3 has 28 layers)."""
+    text_encoder = Qwen3ForCausalLM(_qwen3_config(hidden_size=_FLUX2_TEXT_WIDTH, num_hidden_layers=28))
+    return Flux2KleinPipeline(text_encoder=text_encoder, tokenizer=tiny_chat_tokenizer(), **_flux2_parts(False))
+
+
+def _build_flux2() -> Flux2Pipeline:
+    """FLUX.2 [dev]'s layout: a guidance embedding (guidance-distilled, no true CFG), prompts as the
+    hidden states of layers 10, 20 and 30 of Mistral Small 3.1's language model (so a 31-layer tiny
+    one, beside a one-layer Pixtral vision tower) after FLUX.2's system message. Its tokenizer is a
+    tokenizer, not the real checkpoint's PixtralProcessor, whose image half needs torchvision: the
+    pipeline hands it text alone, which the processor passes on to its tokenizer."""
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config=dict(
+            model_type="mistral", vocab_size=len(TINY_MISTRAL_VOCAB), hidden_size=_FLUX2_TEXT_WIDTH,
+            intermediate_size=32, num_hidden_layers=31, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+            max_position_embeddings=128, pad_token_id=0, bos_token_id=TINY_VOCAB.index("<bos>"),
+            eos_token_id=TINY_VOCAB.index("<eos>"), initializer_range=0.2,
+        ),
+        vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=2, head_dim=8, image_size=32, patch_size=8),
+        image_token_index=TINY_MISTRAL_VOCAB.index("[IMG]"),
+    ))
+    return Flux2Pipeline(text_encoder=text_encoder, tokenizer=tiny_mistral_tokenizer(), **_flux2_parts(True))
+
+
+def _build_qwenimage() -> QwenImagePipeline:
+    """Qwen-Image's layout: an MMDiT over 2x2-packed latents of Wan's 8x causal VAE (one frame),
+    prompts as the last hidden states of Qwen2.5-VL's language model (a one-block vision tower
+    beside it, unused by text)."""
+    z_dim, text_width = 4, 32
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=4 * z_dim,  # 2x2-packed latents
+        out_channels=z_dim,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        axes_dims_rope=(4, 6, 6),  # sums to the head dim
+    )
+    vae = AutoencoderKLQwenImage(
+        base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
+        latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(TINY_CHAT_VOCAB), hidden_size=text_width, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            pad_token_id=0, bos_token_id=None, eos_token_id=TINY_CHAT_VOCAB.index("<|im_end|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_width,
+                           fullatt_block_indexes=[0]),
+    ))
+    scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's: dynamic shifting, a terminal sigma of 0.02
+        shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
+        max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return QwenImagePipeline(
+        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_chat_tokenizer(), transformer=transformer,
+    )
+
+
 def _build_sd35() -> StableDiffusion3Pipeline:
     """SD3.5-Medium's layout (MMDiT-X): blocks 0-12 of its 24 add an image-only attention
     (``attn2``) beside the joint one, and every attention RMS-norms its queries and keys."""
     return _build_sd3(dual_attention_layers=(0,), qk_norm="rms_norm")
 
 
-_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "wan2.2": _build_wan22, "sd3.5": _build_sd35,
-             "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v, "wan2.2-i2v-a14b": _build_wan22_i2v_a14b,
-             "wan2.2-i2v": _build_wan22_i2v}
+_BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
+             "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "flux2": _build_flux2,
+             "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v,
+             "wan2.2-i2v-a14b": _build_wan22_i2v_a14b, "wan2.2-i2v": _build_wan22_i2v}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
-    """A tiny random-init pipeline of ``family`` ("wan", "sd3" or "flux", or a layout in
+    """A tiny random-init pipeline of ``family`` (one of ``FAMILIES``, or a layout in
     ``VARIANTS``), float32 on CPU.
 
     The same seed gives the same weights; the global torch RNG is left untouched.

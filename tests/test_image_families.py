@@ -1,0 +1,67 @@
+"""The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein] and [dev], Qwen-Image) through the real scripts: two processes
+under the shipped ZeRO-2 config train one objective each (LoRA or every weight), the export loads
+as diffusers loads it, and eval_genrl.py on the export gives the training's last evaluation.
+(Sampling parity with the pipelines, log-prob recomputation and the other objectives' losses
+run in process: test_policies, test_rollout, test_objectives.)"""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import run_script
+from test_train_objectives import objective_args, train_lines
+
+pytestmark = pytest.mark.slow
+
+REWARD = "jpeg_compressibility"
+
+
+def last_eval(output_dir: str) -> float:
+    lines = [json.loads(l) for l in open(os.path.join(output_dir, "logs", "metrics.jsonl"))]
+    return [l for l in lines if f"eval/{REWARD}_mean" in l][-1][f"eval/{REWARD}_mean"]
+
+
+@pytest.mark.parametrize("family, objective, use_lora", [
+    ("zimage", "nft", True),
+    ("flux2-klein", "grpo", False),
+    ("qwenimage", "awm", True),
+    ("flux2", "nft", False),
+])
+def test_two_processes_train_export_and_evaluate_as_in_training(family, objective, use_lora, prompt_file, tmp_path):
+    import diffusers
+
+    from genrl.testing.tiny_pipelines import save_tiny_pipeline
+
+    model = save_tiny_pipeline(family, tmp_path / f"tiny-{family}")
+    out = str(tmp_path / "out")
+    extra = ["--use_lora", "--rank", "4", "--lora_alpha", "8"] if use_lora else []
+    args = objective_args(model, prompt_file, out, objective, *extra)
+    if objective == "grpo":  # GRPO trains the recorded SDE steps
+        args[args.index("--noise_level") + 1] = "0.7"
+    run_script("train_genrl.py", args, config="zero2", num_processes=2)
+    lines = train_lines(out)
+    assert [l["step"] for l in lines] == [2, 4]
+    assert all(torch.isfinite(torch.tensor(l["train/policy_loss"])) for l in lines)
+    assert json.load(open(os.path.join(out, "genrl_config.json")))["family"] == family
+
+    # The export as a user loads it, with diffusers alone.
+    pipeline = diffusers.DiffusionPipeline.from_pretrained(model)
+    base = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
+    if use_lora:
+        pipeline.load_lora_weights(out, weight_name="pytorch_lora_weights.safetensors")
+        pipeline.fuse_lora()
+        pipeline.unload_lora_weights()  # the fused weights stay, under the base model's names
+        assert load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
+    else:
+        transformer = type(pipeline.transformer).from_pretrained(out, subfolder="transformer")
+        pipeline = type(pipeline).from_pretrained(model, transformer=transformer)
+    trained = pipeline.transformer.state_dict()
+    assert any(not torch.equal(trained[k], base[k]) for k in base), "the export changed no weight"
+
+    # eval_genrl.py on the export repeats the run's own last evaluation (its prompts, noise, steps).
+    run_script("eval_genrl.py", ["--model", out, "--output_dir", str(tmp_path / "eval")])
+    metrics = json.load(open(tmp_path / "eval" / "metrics.json"))["metrics"]
+    assert metrics[REWARD]["mean"] == pytest.approx(last_eval(out), abs=1e-5)
