@@ -529,12 +529,14 @@ def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str
 def ceiling_plan(batches: tuple[int, int] | None, guidance_scale: float | None, draws: int):
     """The ``EvalPlan`` of the ceilings' sweeps: ``eval_setting``'s prompts and sampling, scored
     by ``SWEEP_REWARD`` from ``draws`` noises (evaluation seed 0, as the runs')."""
+    from genrl.evaluation import EvalSettings
     from genrl.rewards import build_reward_fn
     from genrl.train_logging import EvalPlan
 
     prompts, _, config, run = eval_setting(batches, guidance_scale)
-    return EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), config, seed=0, batch_size=run["eval_batch_size"],
-                    max_batches=run["eval_max_batches"], keep_samples=0, video_fps=0, samples_per_prompt=draws)
+    settings = EvalSettings(config, seed=0, batch_size=run["eval_batch_size"], max_batches=run["eval_max_batches"],
+                            keep_samples=0, samples_per_prompt=draws)
+    return EvalPlan(prompts, build_reward_fn(SWEEP_REWARD), settings, video_fps=0)
 
 
 def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple[int, int] | None = None,
