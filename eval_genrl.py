@@ -12,7 +12,7 @@ are evaluated on the same prompts and seeds: ``model_a/`` and ``model_b/`` hold 
 outputs, ``compare.png`` and ``compare.html`` show them side by side.
 
 The numbers depend only on the arguments, not on the number of processes (see
-``genrl.evaluation``).
+``genrl.evaluation.evaluate``).
 """
 
 import argparse
@@ -23,27 +23,31 @@ import logging
 import os
 from contextlib import ExitStack
 
-from genrl.console import close_progress_bars, hide_loading_bars, silence_known_noise
+from genrl.training.console import close_progress_bars, hide_loading_bars, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
 import torch
 from accelerate.logging import get_logger
 
-from genrl.acceleration import (
-    check_attention_backend_name, compile_repeated_blocks, probe_attention_backend, set_attention_backend,
-)
-from genrl.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
-from genrl.data import PromptSet, load_prompts
-from genrl.distributed import build_accelerator, check_mixed_precision, end_processes, zero_init_disabled
+from genrl.checkpoints.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
+from genrl.checkpoints.output_lock import lock_output_dir
+from genrl.data.prompts import PromptSet, load_prompts
+from genrl.distributed.launch import build_accelerator, check_mixed_precision, end_processes
+from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
-from genrl.eval_outputs import save_comparison, save_eval_outputs
-from genrl.evaluation import EvalResult, EvalSettings, evaluate
-from genrl.output_lock import lock_output_dir
+from genrl.evaluation.evaluate import EvalResult, EvalSettings, evaluate
+from genrl.evaluation.outputs import save_comparison, save_eval_outputs
+from genrl.math.sde import ODE_SOLVERS
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn, check_reward_options
-from genrl.rollout import SamplingConfig
-from genrl.sde import ODE_SOLVERS
+from genrl.training.acceleration import (
+    check_attention_backend_name,
+    compile_repeated_blocks,
+    probe_attention_backend,
+    set_attention_backend,
+)
+from genrl.training.rollout import SamplingConfig
 
 logger = get_logger(__name__)
 

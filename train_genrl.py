@@ -12,9 +12,9 @@ One epoch (``main`` below, numbered as in the README's "What one epoch does"): s
 of K images/videos per prompt, score them, turn the scores into group-normalised advantages,
 then update the policy: clipped policy-gradient steps on recorded SDE transitions (grpo) or
 advantage-weighted flow matching on the clean samples noised again (nft, awm). The flags are
-the dataclasses of genrl/config/, parsed by genrl/train_args.py; the no-argument run's values
+the dataclasses of genrl/config/, parsed by genrl/training/train_args.py; the no-argument run's values
 are in recipes/toy_nft.yaml. What the run holds (models, optimizer, rewards, sampler, step
-counts) is one ``genrl.run.Run``, built once before the first epoch; the phases take it.
+counts) is one ``genrl.training.run.Run``, built once before the first epoch; the phases take it.
 """
 
 import faulthandler
@@ -27,30 +27,43 @@ from contextlib import ExitStack, nullcontext
 from accelerate.logging import get_logger
 from tqdm.auto import tqdm
 
-from genrl.console import close_progress_bars, hide_loading_bars, progress_postfix, silence_known_noise
+from genrl.training.console import close_progress_bars, hide_loading_bars, progress_postfix, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
-from genrl.checkpointing import (
-    checkpoint_dirs, export_model, prune_checkpoints, save_checkpoint, set_aside_checkpoint, trim_metrics,
+from genrl.checkpoints.checkpointing import (
+    checkpoint_dirs,
+    export_model,
+    prune_checkpoints,
+    save_checkpoint,
+    set_aside_checkpoint,
+    trim_metrics,
 )
-from genrl.distributed import describe_timeout, end_processes, peak_memory_gb, zero_init_disabled
+from genrl.checkpoints.node_storage import checkpoint_writer
+from genrl.checkpoints.update_checkpoint import UpdateInProgress
+from genrl.distributed.launch import describe_timeout, end_processes
+from genrl.distributed.memory import peak_memory_gb
+from genrl.distributed.preemption import (
+    Preempted,
+    PreemptionWatch,
+    capture_rng_states,
+    preempted_message,
+    restore_rng_states,
+)
+from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import find_setup_error, stop_line
-from genrl.experience import EpochExperience, ScoredRollouts, collect_rollouts, epoch_advantages
-from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
-from genrl.model_card import write_run_card
-from genrl.nan_guard import NonFiniteError, NonFiniteSamples, samples_stop_message
-from genrl.node_storage import checkpoint_writer
-from genrl.plots import plot_training_curves
-from genrl.preemption import Preempted, PreemptionWatch, capture_rng_states, preempted_message, restore_rng_states
-from genrl.reward_watch import RewardWatch, watched_rewards
+from genrl.evaluation.plots import plot_training_curves
+from genrl.evaluation.reward_watch import RewardWatch, watched_rewards
+from genrl.hub.model_card import write_run_card
+from genrl.hub.push import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.rewards import clear_reward_models
-from genrl.run import Run, build_run, resume
-from genrl.throughput import PhaseFigures, throughput_logs
-from genrl.train_args import parse_args
-from genrl.train_logging import RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
-from genrl.update import UpdateResult, UpdateStopped, update_policy
-from genrl.update_checkpoint import UpdateInProgress
+from genrl.training.experience import EpochExperience, ScoredRollouts, collect_rollouts, epoch_advantages
+from genrl.training.nan_guard import NonFiniteError, NonFiniteSamples, samples_stop_message
+from genrl.training.run import Run, build_run, resume
+from genrl.training.throughput import PhaseFigures, throughput_logs
+from genrl.training.train_args import parse_args
+from genrl.training.train_logging import RewardHackingStop, crossed, evaluate_and_log, log_metrics, watch_evaluation
+from genrl.training.update import UpdateResult, UpdateStopped, update_policy
 
 logger = get_logger(__name__)
 

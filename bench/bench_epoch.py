@@ -93,7 +93,7 @@ def epoch_phases(metrics_path: str, samples_per_epoch: int) -> list[dict]:
 def run_epochs(args, samples_per_epoch: int) -> list[dict]:
     """Run ``train_genrl.py`` in the setting for ``args.epochs`` epochs; the phases of the epochs
     after the first (the first pays one-off costs)."""
-    from genrl.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS
+    from genrl.training.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS
 
     setting = QUICK if args.quick else MATCHED
     out_dir = args.output_dir or tempfile.mkdtemp(prefix="bench-epoch-")

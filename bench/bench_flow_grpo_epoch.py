@@ -83,7 +83,7 @@ def flow_grpo_config(flow_grpo_dir: str, data_dir: str, log_dir: str):
     spec = importlib.util.spec_from_file_location("flow_grpo_base_config", os.path.join(flow_grpo_dir, "config", "base.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    from genrl.train_args import DEFAULT_MODEL
+    from genrl.training.train_args import DEFAULT_MODEL
 
     c = module.get_config()
     c.pretrained.model, c.resolution = DEFAULT_MODEL, 32
@@ -108,8 +108,9 @@ def run_flow_grpo_worker(args) -> None:
 
     torch.set_num_threads(1)
     import flow_grpo.rewards
+
     from genrl.rewards.toy_geneval import toy_geneval_scores
-    from genrl.train_args import DEFAULT_EVAL_PROMPTS, DEFAULT_TRAIN_PROMPTS
+    from genrl.training.train_args import DEFAULT_EVAL_PROMPTS, DEFAULT_TRAIN_PROMPTS
 
     def multi_score(device, score_dict):
         def score(images, prompts, metadata, only_strict=True):

@@ -60,10 +60,10 @@ import gc
 import time
 
 import torch
-
-import common
 from bench_rollout import measure_rollout
 from bench_train_step import build_single_process_accelerator, build_zero2_bf16_accelerator, measure_ppo_step, ppo_step
+
+import common
 from common import PeakMemory, emit, synchronize
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json values.
@@ -181,7 +181,7 @@ def parse_args(argv=None):
 def train_figures(policy, model, optimizer, accelerator, recorded, config, device, args) -> dict:
     """PPO-step figures on the first ``--train_batch_size`` samples of ``recorded``; with
     ``--gradient_checkpointing auto`` an out-of-memory error is followed by a retry with it."""
-    from genrl.rollout import index_rollout
+    from genrl.training.rollout import index_rollout
 
     batch = index_rollout(recorded, list(range(args.train_batch_size)))
     advantages = torch.randn(args.train_batch_size, generator=torch.Generator().manual_seed(0))
@@ -239,7 +239,7 @@ def micro_batches(largest: int) -> list[int]:
 
 def fit_table(policy, model, optimizer, accelerator, recorded, config, device, args) -> list[dict]:
     """The PPO step's peak memory for each micro batch, with and without gradient checkpointing."""
-    from genrl.rollout import index_rollout
+    from genrl.training.rollout import index_rollout
 
     transformer = policy.transformer
     rows = []
@@ -273,7 +273,7 @@ def fit_table(policy, model, optimizer, accelerator, recorded, config, device, a
 
 
 def main(args) -> list[dict]:
-    from genrl.rollout import SamplingConfig
+    from genrl.training.rollout import SamplingConfig
 
     device = common.setup(args)
     if device.type != "cuda" and not args.quick and not args.num_layers:
@@ -300,12 +300,12 @@ def main(args) -> list[dict]:
         accelerator = build_single_process_accelerator(device, mixed_precision)
     transformer = policy.transformer.requires_grad_(True)
     if args.attention_backend:  # the same helpers as train_genrl.py's flags
-        from genrl.acceleration import probe_attention_backend, set_attention_backend
+        from genrl.training.acceleration import probe_attention_backend, set_attention_backend
 
         probe_attention_backend(args.attention_backend, device, weight_dtype)
         set_attention_backend([transformer], args.attention_backend, device=device, dtype=weight_dtype)
     if args.compile:
-        from genrl.acceleration import compile_repeated_blocks
+        from genrl.training.acceleration import compile_repeated_blocks
 
         compile_repeated_blocks(transformer, fullgraph=True)
     optimizer = torch.optim.AdamW(transformer.parameters(), lr=1e-6, fused=True if device.type == "cuda" else None)  # as the trainer
@@ -356,7 +356,7 @@ def main(args) -> list[dict]:
                               "overhead_ratio", "ppo_step_s", "bare_fwd_bwd_s", "gradient_checkpointing", "mfu",
                               "peak_mem_mb"], title="Wan2.1-T2V-1.3B architecture, random weights")
     if args.profile:
-        from genrl.rollout import index_rollout, sample_rollout
+        from genrl.training.rollout import index_rollout, sample_rollout
 
         prompts, indices = common.group_prompts(args.group_size, args.group_size)
         batch = index_rollout(recorded, list(range(args.train_batch_size)))

@@ -17,7 +17,7 @@ Every model as a user meets it: the base and each run's final weights are scored
 held-out prompts and noises (``--final_noise_draws`` of them) at the trained evaluation's
 settings, at each guidance scale of ``--guidance_sweep`` (the evaluation's step count; the
 best is reported with its scale) and at the pipeline's own defaults (``pipe(prompt)``'s steps and
-guidance, ``genrl.pipeline_defaults``: 28 steps at guidance 7 for SD3). A model trained unguided
+guidance, ``genrl.evaluation.pipeline_defaults``: 28 steps at guidance 7 for SD3). A model trained unguided
 need not stay good under guidance, and a base can be far better guided than unguided, so the
 summary leads with the base at its best guidance against the trained model at its own settings,
 the strict score (every check of a prompt passed) beside the mean.
@@ -84,16 +84,14 @@ def as_flags(values: dict) -> list[str]:
 def objective_values(objective: str) -> dict:
     """What the toy run's config file for ``objective`` (``recipes/toy_<objective>.yaml``) sets
     differently from another objective's: the sampler each objective needs, its learning rate."""
-    from genrl import train_args
-
+    from genrl.training import train_args
     runs = {name: train_args.toy_run(name) for name in OBJECTIVES}
     return {k: v for k, v in runs[objective].items() if any(run.get(k) != v for run in runs.values())}
 
 
 def shared_values() -> dict:
     """What the toy run's config files of every objective set alike."""
-    from genrl import train_args
-
+    from genrl.training import train_args
     values = train_args.toy_run()
     return {k: v for k, v in values.items() if all(k not in objective_values(name) for name in OBJECTIVES)}
 
@@ -195,7 +193,7 @@ def setting_args(setting: str, workdir: str, base_model: str | None = None,
         return flags + (["--guidance_scale", str(guidance_scale)] if guidance_scale is not None else [])
     if setting == "video":
         from genrl.testing.toy_video import save_toy_video_pipeline
-        from genrl.train_args import DEFAULT_EVAL_PROMPTS, DEFAULT_TRAIN_PROMPTS
+        from genrl.training.train_args import DEFAULT_EVAL_PROMPTS, DEFAULT_TRAIN_PROMPTS
 
         model, figures = save_toy_video_pipeline(os.path.join(workdir, "toy-wan"), video_vae_steps)
         emit({"bench": "learning", "video_vae": "toy clips", "steps": video_vae_steps, **figures})
@@ -332,12 +330,12 @@ def run_plan(run_dir: str, draws: int):
     """(base model, ``EvalPlan``) of a finished run: its trained evaluation's prompts, batches,
     noise seed and sampling (``train_args.sampling_configs`` of its recorded arguments), scored by
     ``SWEEP_REWARD`` from ``draws`` noises."""
-    from genrl.checkpointing import CONFIG_FILE
-    from genrl.data import load_prompts
+    from genrl.checkpoints.checkpointing import CONFIG_FILE
+    from genrl.data.prompts import load_prompts
+    from genrl.evaluation.evaluate import EvalSettings
     from genrl.rewards import build_reward_fn
-    from genrl.train_args import sampling_configs
-    from genrl.evaluation import EvalSettings
-    from genrl.train_logging import EvalPlan
+    from genrl.training.train_args import sampling_configs
+    from genrl.training.train_logging import EvalPlan
 
     with open(os.path.join(run_dir, CONFIG_FILE)) as f:
         config = json.load(f)
@@ -355,8 +353,8 @@ def guided_sweep(policy, plan, guidance_scales) -> dict:
     at each of ``guidance_scales`` with its step count (``sweep``: ``[guidance, mean, strict]``
     rows, the plan's own guidance among them; ``best``: the row of the highest mean) and at the
     pipeline's default steps and guidance (``defaults``)."""
-    from genrl.pipeline_defaults import at_pipeline_defaults
-    from genrl.train_logging import evaluate_plan
+    from genrl.evaluation.pipeline_defaults import at_pipeline_defaults
+    from genrl.training.train_logging import evaluate_plan
 
     def score(config) -> list[float]:
         metrics = evaluate_plan(plan, policy, policy.transformer, device="cpu", config=config).metrics
@@ -404,8 +402,8 @@ def samples_seen(records: list[dict], samples_per_epoch: int) -> int:
 def rl_samples(run_dir: str) -> int:
     """``samples_seen`` of a finished one-process run, from its ``logs/metrics.jsonl`` and its
     recorded arguments (``RunSchedule``)."""
-    from genrl.checkpointing import CONFIG_FILE
-    from genrl.schedule import RunSchedule
+    from genrl.checkpoints.checkpointing import CONFIG_FILE
+    from genrl.training.schedule import RunSchedule
 
     with open(os.path.join(run_dir, CONFIG_FILE)) as f:
         run = argparse.Namespace(**json.load(f)["args"])
@@ -457,7 +455,7 @@ def headline_line(row: dict) -> str:
 def sweep_models(args, curves: dict[str, list[dict]]) -> tuple[dict, dict[str, list[dict]]]:
     """``guided_sweep`` of each run's base (once per base and evaluation) and of each run's final
     weights: (``{run dir: its base's sweep}``, ``{objective: [sweep of each seed]}``)."""
-    from genrl.checkpointing import load_trained_policy
+    from genrl.checkpoints.checkpointing import load_trained_policy
 
     draws = max(1, args.final_noise_draws)
     swept, base_of_run, runs = {}, {}, {}
@@ -484,10 +482,10 @@ def sweep_models(args, curves: dict[str, list[dict]]) -> tuple[dict, dict[str, l
 def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float | None = None):
     """The held-out prompts and evaluation settings of the no-argument run; ``batches`` =
     (max_batches, batch_size) overrides its evaluation size, ``guidance_scale`` its CFG scale."""
-    from genrl import train_args
-    from genrl.data import load_prompts
+    from genrl.data.prompts import load_prompts
     from genrl.rewards import build_reward_fn
-    from genrl.rollout import SamplingConfig
+    from genrl.training import train_args
+    from genrl.training.rollout import SamplingConfig
 
     run = train_args.toy_run()
     if batches is not None:
@@ -502,8 +500,8 @@ def eval_setting(batches: tuple[int, int] | None = None, guidance_scale: float |
 def held_out_scores(policy, seed: int, batches: tuple[int, int] | None = None,
                     guidance_scale: float | None = None, samples_per_prompt: int = 1) -> list[float]:
     """toy_geneval of each held-out prompt, sampled as the trainer's evaluation samples it
-    (the mean over ``samples_per_prompt`` noises, ``genrl.evaluation.draw_seed``)."""
-    from genrl.evaluation import EvalSettings, evaluate
+    (the mean over ``samples_per_prompt`` noises, ``genrl.evaluation.evaluate.draw_seed``)."""
+    from genrl.evaluation.evaluate import EvalSettings, evaluate
 
     prompts, reward_fn, config, run = eval_setting(batches, guidance_scale)
     settings = EvalSettings(config, seed=seed, batch_size=run["eval_batch_size"], max_batches=run["eval_max_batches"],
@@ -517,8 +515,7 @@ def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str
     """Mean over held-out prompts of the best of ``k`` base-model samples (seeds 0..k-1); the
     base is ``model`` (default: the shipped toy model)."""
     from genrl.policies import load_policy
-    from genrl import train_args
-
+    from genrl.training import train_args
     policy = load_policy(model or train_args.DEFAULT_MODEL).to("cpu")
     per_seed = [held_out_scores(policy, seed, batches, guidance_scale) for seed in range(k)]
     best = [max(scores) for scores in zip(*per_seed)]
@@ -529,9 +526,9 @@ def best_of_k_ceiling(k: int, batches: tuple[int, int] | None = None, model: str
 def ceiling_plan(batches: tuple[int, int] | None, guidance_scale: float | None, draws: int):
     """The ``EvalPlan`` of the ceilings' sweeps: ``eval_setting``'s prompts and sampling, scored
     by ``SWEEP_REWARD`` from ``draws`` noises (evaluation seed 0, as the runs')."""
-    from genrl.evaluation import EvalSettings
+    from genrl.evaluation.evaluate import EvalSettings
     from genrl.rewards import build_reward_fn
-    from genrl.train_logging import EvalPlan
+    from genrl.training.train_logging import EvalPlan
 
     prompts, _, config, run = eval_setting(batches, guidance_scale)
     settings = EvalSettings(config, seed=0, batch_size=run["eval_batch_size"], max_batches=run["eval_max_batches"],
@@ -557,9 +554,10 @@ def supervised_ceiling(steps: int, eval_every: int | None = None, batches: tuple
 
     sys.path.insert(0, os.path.join(ROOT, "scripts"))
     import pretrain_toy_model as pretrain
-    from genrl import train_args
+
+    from genrl.data.toy_scenes import all_specs, is_test_combination
     from genrl.policies import policy_for_pipeline
-    from genrl.toy_scenes import all_specs, is_test_combination
+    from genrl.training import train_args
 
     pipe = StableDiffusion3Pipeline.from_pretrained(model or train_args.DEFAULT_MODEL)
     pipe.set_progress_bar_config(disable=True)
@@ -599,6 +597,7 @@ def video_reward_reach(model: str, num_samples: int = 32) -> dict:
     in latent space), and of all-zero latents. If the three agree within the samples' spread,
     the VAE, not the transformer, decides the reward."""
     import torch
+
     from genrl.policies import load_policy
     from genrl.rewards import build_reward_fn
 
@@ -684,8 +683,7 @@ def main(args) -> list[dict]:
     ceilings, supervised, at_budget = [], None, {}
     if not args.no_ceilings and args.setting != "video":
         # K = the no-argument run's samples per prompt (its objective's preset: 16 for NFT with PODS).
-        from genrl import train_args
-
+        from genrl.training import train_args
         group_size = 2 if args.quick else train_args.toy_run().get("group_size", 8)
         options = dict(batches=args.ceiling_batches, model=args.base_model, guidance_scale=args.guidance_scale,
                        noise_draws=args.final_noise_draws, guidance_sweep=args.guidance_sweep,

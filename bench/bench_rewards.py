@@ -2,7 +2,7 @@
 scoring batches laid out as the rollout hands them over (float ``(N, 3, F, H, W)`` in [0, 1]
 on the CPU), as images (F = 1) and as videos.
 
-Samples are toy-world scenes (genrl.toy_scenes: coloured shapes on white, what the embedded
+Samples are toy-world scenes (genrl.data.toy_scenes: coloured shapes on white, what the embedded
 default model learns to draw), prompts their captions; a video repeats its scene with a
 horizontal drift of 2 pixels per frame. Per reward and layout it prints the time to build the
 reward (build_s), the first call (first_call_s), the median of the timed calls (score_s),
@@ -36,7 +36,7 @@ DEFAULT_REWARDS = "jpeg_compressibility,temporal_smoothness,toy_geneval"
 
 def toy_clips(num_samples: int, frames: int, height: int, width: int, seed: int = 0) -> tuple[torch.Tensor, list[str]]:
     """``num_samples`` toy scenes as float ``(N, 3, F, H, W)`` in [0, 1] and their captions."""
-    from genrl.toy_scenes import caption, sample_scene
+    from genrl.data.toy_scenes import caption, sample_scene
 
     rng = np.random.default_rng(seed)
     size = max(height, width, 16)

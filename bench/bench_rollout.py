@@ -1,4 +1,4 @@
-"""Rollout throughput: genrl.rollout.sample_rollout against the bare transformer forwards.
+"""Rollout throughput: genrl.training.rollout.sample_rollout against the bare transformer forwards.
 
 For each model family it times one rollout batch (prompt encoding, the denoising loop with the
 SDE step and trajectory recording at every step, decoding to the CPU) and, on the same machine
@@ -51,7 +51,7 @@ def measure_rollout(
     samples_per_s, frames_per_s (None for images), peak_mem_mb, bare_peak_mem_mb, start_mem_mb.
     """
     from genrl.policies.base import unwrap_module
-    from genrl.rollout import sample_rollout
+    from genrl.training.rollout import sample_rollout
 
     prompts, indices = group_prompts(batch_size, group_size)
     height, width, frames = policy.resolve_size(config.height, config.width, config.num_frames)
@@ -123,7 +123,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> list[dict]:
-    from genrl.rollout import SamplingConfig
+    from genrl.training.rollout import SamplingConfig
 
     device = common.setup(args)
     dtype = common.DTYPES[args.dtype]

@@ -23,10 +23,10 @@ import os
 import tempfile
 
 import torch
-
-import common
 from bench_rollout import measure_rollout
 from bench_train_step import build_single_process_accelerator, measure_ppo_step, prepare_training, record_rollout
+
+import common
 from common import emit
 
 AXES = ("group_size", "steps", "frames", "resolution", "processes")
@@ -64,7 +64,7 @@ def parse_args(argv=None):
 
 def in_process_point(policy, model, optimizer, accelerator, point: dict, *, device, repeats, guidance_scale) -> dict:
     """Rollout and PPO-step figures at ``point`` (group_size, steps, frames, resolution)."""
-    from genrl.rollout import SamplingConfig
+    from genrl.training.rollout import SamplingConfig
 
     height, width, frames = policy.resolve_size(point["resolution"], point["resolution"], point["frames"])
     config = SamplingConfig(

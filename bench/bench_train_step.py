@@ -1,8 +1,8 @@
 """PPO step time: the trainer's update on one micro batch against a bare forward + backward.
 
 One PPO step is what train_genrl.py does per micro batch and trained timestep:
-``genrl.rollout.step_log_prob`` (transformer forward with CFG as sampled, SDE log-prob of the
-recorded transition) + ``genrl.grpo.grpo_loss`` + ``accelerator.backward`` + gradient clipping
+``genrl.training.rollout.step_log_prob`` (transformer forward with CFG as sampled, SDE log-prob of the
+recorded transition) + ``genrl.math.grpo.grpo_loss`` + ``accelerator.backward`` + gradient clipping
 + ``optimizer.step()`` (AdamW) + ``zero_grad``, on transitions recorded by a real
 ``sample_rollout`` of the same model. The baseline replays the transformer call of that step
 on exactly its inputs (captured with a forward pre-hook), backpropagates the mean square of
@@ -26,9 +26,9 @@ import statistics
 import time
 
 import torch
+from bench_rollout import FULL_SIZES, QUICK_SIZES
 
 import common
-from bench_rollout import FULL_SIZES, QUICK_SIZES
 from common import PeakMemory, capture_forward_inputs, emit, group_prompts, synchronize, time_interleaved
 
 
@@ -37,8 +37,8 @@ def ppo_step(policy, model, optimizer, accelerator, rollout, advantages: torch.T
     """One PPO step of the trainer on all samples of ``rollout`` at recorded step ``j``:
     ``step_log_prob`` + ``grpo_loss`` + backward, then clip + AdamW + zero_grad. Returns the
     seconds of the forward and backward (the rest is the optimizer's)."""
-    from genrl.grpo import grpo_loss
-    from genrl.rollout import step_log_prob
+    from genrl.math.grpo import grpo_loss
+    from genrl.training.rollout import step_log_prob
 
     device = advantages.device
     start = time.perf_counter()
@@ -140,7 +140,7 @@ def prepare_training(policy, accelerator, learning_rate: float = 1e-6):
 
 def record_rollout(policy, model, *, batch_size: int, group_size: int, config, device: torch.device, seed: int = 0):
     """A real ``sample_rollout`` of ``model``: the transitions the PPO step trains on."""
-    from genrl.rollout import sample_rollout
+    from genrl.training.rollout import sample_rollout
 
     prompts, indices = group_prompts(batch_size, group_size)
     model.eval()
@@ -162,8 +162,7 @@ def build_zero2_bf16_accelerator(micro_batch_size: int, max_grad_norm: float = 1
     import os
     import tempfile
 
-    from genrl.distributed import build_accelerator, configure_deepspeed
-
+    from genrl.distributed.launch import build_accelerator, configure_deepspeed
     launcher_env = {
         "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2",
         "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none",
@@ -200,7 +199,7 @@ def parse_args(argv=None):
 
 
 def main(args) -> list[dict]:
-    from genrl.rollout import SamplingConfig
+    from genrl.training.rollout import SamplingConfig
 
     device = common.setup(args)
     accelerator = build_single_process_accelerator(device, args.mixed_precision)

@@ -12,7 +12,7 @@ by tensors after prepare and after training, and the rollout / PPO step times. T
 SD3 transformer of ~73 M parameters (--scale mid: 8 joint blocks, width 512) with random
 weights on the tiny SD3 pipeline's text encoders and VAE, saved once to disk and loaded by every
 rank as the trainer loads it: under ZeRO-3 with ``zero3_init_flag: true`` (the shipped zero3
-configs) each rank builds only its shard (``genrl.zero_init``).
+configs) each rank builds only its shard (``genrl.distributed.zero_init``).
 
     python bench/bench_zero_memory.py                   # zero2 and zero3, mid model (~2 min on 2 cores)
     python bench/bench_zero_memory.py --quick           # CI: tiny model (2 launches of 2 processes)
@@ -22,7 +22,7 @@ configs) each rank builds only its shard (``genrl.zero_init``).
     python bench/bench_zero_memory.py --configs zero3 --zero3_init both   # partitioned build vs whole model first
 
 Under ZeRO-3 the workers size DeepSpeed's buckets as the trainer does
-(``genrl.distributed.size_zero3_buckets``, from the transformer's width); ``--ds_bucket_size``
+(``genrl.distributed.zero3.size_zero3_buckets``, from the transformer's width); ``--ds_bucket_size``
 overrides the reduce and prefetch buckets.
 """
 

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from genrl.console import silence_known_noise  # noqa: E402
+from genrl.training.console import silence_known_noise  # noqa: E402
 
 # The benchmarks print what the trainer prints: none of its known start-up noise.
 silence_known_noise()
@@ -373,8 +373,8 @@ def save_bench_pipeline(family: str, scale: str, path: str, seed: int = 0) -> st
 
 def count_parameters(module: torch.nn.Module) -> int:
     """All of the module's parameter elements (on all ranks together where ZeRO-3 partitions them)."""
+    from genrl.distributed.zero_init import full_numel
     from genrl.policies.base import unwrap_module
-    from genrl.zero_init import full_numel
 
     return sum(full_numel(p) for p in unwrap_module(module).parameters())
 

@@ -4,7 +4,7 @@
         bench/distributed_worker.py --output_dir OUT --family sd3 --scale mid
 
 The trainer's set-up and inner loop, without the data and reward plumbing: the Accelerator of
-``genrl.distributed`` (gloo on a CPU), DeepSpeed batch sizes from the arguments, frozen parts
+``genrl.distributed.launch`` (gloo on a CPU), DeepSpeed batch sizes from the arguments, frozen parts
 built outside ZeRO-3, ``accelerator.prepare(transformer, AdamW)``; then one ``sample_rollout``
 batch per rank (warm-up, then timed) and PPO steps (``bench_train_step.ppo_step``:
 ``step_log_prob`` + ``grpo_loss`` + ``accelerator.backward`` + clip + step) on its transitions. Each rank writes
@@ -41,8 +41,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import common  # noqa: E402
 from bench_train_step import ppo_step  # noqa: E402
+
+import common  # noqa: E402
 from common import PeakMemory, current_memory_mb, group_prompts, synchronize, tensor_memory_mb  # noqa: E402
 
 
@@ -65,15 +66,16 @@ def parse_args(argv=None):
     parser.add_argument("--mixed_precision", choices=["no", "bf16", "fp16"], default=None)
     parser.add_argument("--ds_bucket_size", type=int, default=None,
                         help="DeepSpeed reduce_bucket_size and stage3_prefetch_bucket_size in elements (default: the "
-                             "trainer's, genrl.distributed.zero3_bucket_sizes, under ZeRO-3; DeepSpeed's under ZeRO-2).")
+                             "trainer's, genrl.distributed.zero3.zero3_bucket_sizes, under ZeRO-3; DeepSpeed's under ZeRO-2).")
     return parser.parse_args(argv)
 
 
 def main(args) -> dict:
-    from genrl.distributed import build_accelerator, configure_deepspeed, size_zero3_buckets, zero_init_disabled
+    from genrl.distributed.launch import build_accelerator, configure_deepspeed
+    from genrl.distributed.zero3 import size_zero3_buckets, zero_init_disabled
+    from genrl.distributed.zero_init import zero3_init_requested
     from genrl.policies import load_policy
-    from genrl.zero_init import zero3_init_requested
-    from genrl.rollout import SamplingConfig, sample_rollout
+    from genrl.training.rollout import SamplingConfig, sample_rollout
 
     accelerator = build_accelerator(output_dir=args.output_dir, mixed_precision=args.mixed_precision)
     configure_deepspeed(accelerator, micro_batch_size=args.batch_size, max_grad_norm=1.0)

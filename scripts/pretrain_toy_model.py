@@ -1,7 +1,7 @@
 """Pretrain the toy text-to-image model shipped in genrl/assets/toy-shapes-t2i.
 
 A real diffusers ``StableDiffusion3Pipeline`` at toy scale, trained from scratch on the
-procedural scenes of ``genrl.toy_scenes`` (fresh scenes every step, train prompts only):
+procedural scenes of ``genrl.data.toy_scenes`` (fresh scenes every step, train prompts only):
 
   (a) the VAE (``AutoencoderKL``, 32x32 RGB <-> 4x8x8 latents): reconstruction + small KL;
   (b) the transformer (``SD3Transformer2DModel``) and both CLIP text encoders together,
@@ -52,8 +52,7 @@ from transformers import (  # noqa: E402
     T5EncoderModel,
 )
 
-from genrl.rewards.toy_geneval import toy_geneval_scores  # noqa: E402
-from genrl.toy_scenes import (  # noqa: E402
+from genrl.data.toy_scenes import (  # noqa: E402
     all_specs,
     caption,
     is_test_combination,
@@ -61,7 +60,8 @@ from genrl.toy_scenes import (  # noqa: E402
     sample_scene,
     vocabulary,
 )
-from genrl.word_tokenizer import word_level_tokenizer  # noqa: E402
+from genrl.data.word_tokenizer import word_level_tokenizer  # noqa: E402
+from genrl.rewards.toy_geneval import toy_geneval_scores  # noqa: E402
 
 SPECIAL_TOKENS = ("<pad>", "<unk>", "<bos>", "<eos>")
 
@@ -504,7 +504,7 @@ def parameter_counts(pipe: StableDiffusion3Pipeline) -> dict[str, int]:
 def write_model_card(pipe: StableDiffusion3Pipeline, args: argparse.Namespace, report: dict, command: str) -> None:
     """README.md of the saved folder: what the model is, how it was made, how it scores.
 
-    Not ``genrl.model_card.write_model_card``: that one describes an RL fine-tune (base
+    Not ``genrl.hub.model_card.write_model_card``: that one describes an RL fine-tune (base
     model, reward, before/after scores); this model is trained from scratch."""
     sizes = parameter_counts(pipe)
     rows = "\n".join(
@@ -532,7 +532,7 @@ A tiny text-to-image flow-matching model, shipped with genrl as the default poli
 `accelerate launch train_genrl.py` (no arguments): a real `StableDiffusion3Pipeline`
 folder, {args.resolution}x{args.resolution} RGB images of coloured circles, squares and
 triangles on white, prompted by captions such as "two red circles" or "a red circle left
-of a blue square" (the grammar and the prompt splits are in `genrl/toy_scenes.py`; the
+of a blue square" (the grammar and the prompt splits are in `genrl/data/toy_scenes.py`; the
 reward that grades it is `genrl/rewards/toy_geneval.py`).
 
 ```python

@@ -9,7 +9,8 @@ import sys
 
 import deepspeed
 
-from genrl.distributed import build_accelerator, configure_deepspeed, zero_init_disabled
+from genrl.distributed.launch import build_accelerator, configure_deepspeed
+from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import SetupError
 from genrl.policies import load_policy
 

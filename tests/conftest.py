@@ -238,13 +238,13 @@ def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":
     launch costs ~10 s of imports): the SystemExit's code, i.e. the sentence the script prints
     on its last stderr line with exit status 1 (an int: that exit status). Loading a model fails
     the test; so does any other exception (the script would print a traceback)."""
-    import genrl.run
+    import genrl.training.run
     import train_genrl
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was loaded before the input was refused")
 
-    monkeypatch.setattr(genrl.run, "load_policy", no_model)
+    monkeypatch.setattr(genrl.training.run, "load_policy", no_model)
     with pytest.raises(SystemExit) as exit_info:
         train_genrl.run(argv)
     return exit_info.value.code

@@ -1,4 +1,4 @@
-"""--attention_backend and --compile (genrl.acceleration) on tiny transformers, on the CPU."""
+"""--attention_backend and --compile (genrl.training.acceleration) on tiny transformers, on the CPU."""
 
 import copy
 
@@ -7,9 +7,9 @@ import torch
 from diffusers import SD3Transformer2DModel
 from diffusers.models.attention_dispatch import _AttentionBackendRegistry
 
-from genrl.acceleration import compile_repeated_blocks, repeated_block_classes, set_attention_backend
 from genrl.errors import SetupError
 from genrl.testing.tiny_pipelines import build_tiny_policy
+from genrl.training.acceleration import compile_repeated_blocks, repeated_block_classes, set_attention_backend
 
 
 def velocity_inputs(policy, batch: int = 2):

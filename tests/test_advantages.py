@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from genrl.advantages import (
+from genrl.math.advantages import (
     balanced_keep_mask,
     clip_advantages,
     combine_rewards,

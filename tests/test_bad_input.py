@@ -12,10 +12,10 @@ import sys
 import pytest
 import torch
 
-from conftest import run_python, script_env, script_errors, trainer_exit_in_process
+from genrl.data.prompts import load_prompts
+from genrl.training import train_args
 
-from genrl import train_args
-from genrl.data import load_prompts
+from conftest import run_python, script_env, script_errors, trainer_exit_in_process
 
 
 def args_with(model, prompts, output_dir, *extra):
@@ -120,7 +120,7 @@ def test_a_malformed_prompt_file_names_the_file_and_line(tmp_path, name, content
 def test_records_without_a_prompt_are_counted_in_a_warning(tmp_path, caplog):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "a red circle", "tag": 1}\n{"caption": "x"}\n{"prompt": "  "}\n{"prompt": "a blue square"}\n')
-    with caplog.at_level(logging.WARNING, logger="genrl.data"):
+    with caplog.at_level(logging.WARNING, logger="genrl.data.prompts"):
         assert load_prompts(str(path)).prompts == ["a red circle", "a blue square"]
     assert [r.getMessage() for r in caplog.records] == [
         f"2 of 4 records of {str(path)!r} have no 'prompt' (missing or empty) and were skipped."
@@ -128,7 +128,7 @@ def test_records_without_a_prompt_are_counted_in_a_warning(tmp_path, caplog):
     caplog.clear()
     text = tmp_path / "prompts.txt"
     text.write_text("a red circle\n\n\na blue square\n")
-    with caplog.at_level(logging.WARNING, logger="genrl.data"):
+    with caplog.at_level(logging.WARNING, logger="genrl.data.prompts"):
         load_prompts(str(text))
     assert not caplog.records, "blank lines of a text file are not records"
 
@@ -311,7 +311,7 @@ def test_a_full_disk_at_a_checkpoint_is_one_sentence_and_its_traceback_goes_to_t
     import errno
 
     import train_genrl
-    from genrl.checkpointing import CheckpointSaveError
+    from genrl.checkpoints.checkpointing import CheckpointSaveError
 
     def save_fails(args, held=None):
         os.makedirs(args.output_dir)
@@ -425,8 +425,7 @@ def test_eval_refuses_fp16_on_the_cpu(tmp_path, capsys, monkeypatch):
 def test_a_master_address_the_launcher_inherited_is_no_sign_of_missing_processes(tiny_sd3, prompt_file, tmp_path,
                                                                                  capsys, monkeypatch):
     """accelerate launch sets MASTER_ADDR for the processes it was asked for; a cluster job may have set it already."""
-    from genrl import distributed
-
+    from genrl.distributed import launch as distributed
     for name, value in {"ACCELERATE_DYNAMO_BACKEND": "NO", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

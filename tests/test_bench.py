@@ -287,11 +287,10 @@ def assert_sweep(record: dict, trained_cfg: float) -> None:
 def test_wan_flop_formula_matches_torch_flop_counter(batch, latent_shape, text_len):
     """The analytic count equals the matmul + attention FLOPs torch counts on a real forward
     (math attention, so that the attention products are counted)."""
+    from bench_h200_wan import WAN_TINY, wan_forward_flops
     from diffusers import WanTransformer3DModel
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
-
-    from bench_h200_wan import WAN_TINY, wan_forward_flops
 
     config = dict(WAN_TINY, num_layers=3, ffn_dim=40, out_channels=8)
     torch.manual_seed(0)
@@ -391,8 +390,9 @@ def test_learning_supervised_run_at_the_rl_budget_sees_as_many_images_as_the_rl_
     import argparse
 
     import bench_learning
-    from genrl import train_args
-    from genrl.schedule import RunSchedule
+
+    from genrl.training import train_args
+    from genrl.training.schedule import RunSchedule
 
     records = []
     for epoch in range(100):
@@ -413,8 +413,8 @@ def test_learning_bench_on_another_base_runs_the_no_argument_settings_on_it(tmp_
     # Naming a model leaves the toy run's config file, so --base_model spells every value of it
     # out: the parsed run must equal the no-argument one in everything but the weights.
     import bench_learning
-    from genrl import train_args
 
+    from genrl.training import train_args
     other = str(tmp_path / "longer-pretrained")
     os.makedirs(other)
     out = ["--output_dir", str(tmp_path / "out")]
@@ -437,8 +437,8 @@ def test_video_setting_trains_every_objective_on_the_toy_wan_and_the_toy_split(t
     world's train prompts, evaluated on its held-out ones."""
     import bench_learning
     from diffusers import AutoencoderKLWan
-    from genrl import train_args
 
+    from genrl.training import train_args
     flags = bench_learning.setting_args("video", str(tmp_path), video_vae_steps=2)
     model = flags[flags.index("--pretrained_model_name_or_path") + 1]
     vae = AutoencoderKLWan.from_pretrained(model, subfolder="vae")
@@ -455,6 +455,7 @@ def test_video_reach_scores_real_decodes_of_the_tiny_wan(tmp_path):
     with the reward the setting trains: finite smoothness values in [-1, 0] that vary between
     noise latents (so they are real decodes, not a constant)."""
     import bench_learning
+
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     reach = bench_learning.video_reward_reach(save_tiny_pipeline("wan", tmp_path / "tiny-wan"), num_samples=4)
@@ -482,10 +483,10 @@ def test_flow_grpo_side_by_side_clamps_only_the_text_encoder_lengths():
     # Flow-GRPO's script pads CLIP to 77 and T5 to 128 tokens; the toy encoders take 12 and 1. The
     # side-by-side must condition both trainers on the same 13 text tokens, and leave the
     # 256-token prompt ids (decoded back to prompts for its per-prompt statistics) whole.
+    import bench_flow_grpo_epoch
     from transformers import AutoTokenizer
 
-    import bench_flow_grpo_epoch
-    from genrl.train_args import DEFAULT_MODEL
+    from genrl.training.train_args import DEFAULT_MODEL
 
     def ids(tokenizer, max_length):
         return tokenizer(["a red circle above a blue square"], padding="max_length", max_length=max_length,

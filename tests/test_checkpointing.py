@@ -12,8 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 
-import genrl.checkpointing as checkpointing
-from genrl.checkpointing import CheckpointSaveError, checkpoint_dirs, save_checkpoint
+import genrl.checkpoints.checkpointing as checkpointing
+from genrl.checkpoints.checkpointing import CheckpointSaveError, checkpoint_dirs, save_checkpoint
 
 
 class FakeAccelerator:

@@ -7,7 +7,7 @@ import json
 import pytest
 import yaml
 
-from genrl.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS, parse_args
+from genrl.training.train_args import DEFAULT_MODEL, DEFAULT_TRAIN_PROMPTS, parse_args
 
 # A run on the shipped model spelled out, as flags and as a file.
 VALUES = {

@@ -9,10 +9,11 @@ import threading
 
 import pytest
 
-from conftest import ROOT, launch_command, script_env, script_errors
-from genrl import deepspeed_ops
-from genrl.deepspeed_ops import build_lock_path, check_build_locks, needed_jit_ops, wait_for_build_lock
+from genrl.distributed import deepspeed_ops
+from genrl.distributed.deepspeed_ops import build_lock_path, check_build_locks, needed_jit_ops, wait_for_build_lock
 from genrl.errors import SetupError
+
+from conftest import ROOT, launch_command, script_env, script_errors
 
 
 @pytest.fixture

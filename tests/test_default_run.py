@@ -2,8 +2,8 @@
 
 import pytest
 
-from genrl import train_args
-from genrl.train_args import parse_args, toy_run
+from genrl.training import train_args
+from genrl.training.train_args import parse_args, toy_run
 
 
 def test_no_argument_run_is_the_toy_nft_config_file():
@@ -84,8 +84,7 @@ def test_the_no_argument_nft_trains_every_step_of_its_sigma_range():
 
 def test_the_no_argument_run_uses_every_core_and_a_user_can_say_how_many():
     """`accelerate launch` sets OMP_NUM_THREADS=1 for a CPU run: the demo would leave cores idle."""
-    from genrl.distributed import cpu_threads_per_process
-
+    from genrl.distributed.launch import cpu_threads_per_process
     assert parse_args([]).cpu_threads == 0
     assert parse_args(["--cpu_threads", "1"]).cpu_threads == 1
     assert cpu_threads_per_process(0, cores=2, local_processes=1) == 2

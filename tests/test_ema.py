@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from genrl.ema import EMA, ema_decay
+from genrl.training.ema import EMA, ema_decay
 
 
 def make_params():
@@ -91,8 +91,7 @@ def test_zero3_writes_go_in_groups_of_one_kind_and_bounded_size(monkeypatch):
     ZeRO-3 tests, whose EMA export must equal DDP's.)"""
     from types import SimpleNamespace
 
-    from genrl import ema as ema_module
-
+    from genrl.training import ema as ema_module
     monkeypatch.setattr(ema_module, "WRITE_GROUP_ELEMENTS", 10)
 
     def param(numel, dtype=torch.float32):  # what ZeRO-3 leaves: a 1-D shard and the full size

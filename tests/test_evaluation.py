@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import eval_genrl
-import genrl.evaluation as evaluation
-from genrl.eval_outputs import save_eval_outputs, save_image_grid
-from genrl.data import PromptSet
-from genrl.evaluation import EvalSettings, batches_of_process, eval_batches, evaluate, spread_indices
+import genrl.evaluation.evaluate as evaluation
+from genrl.data.prompts import PromptSet
+from genrl.evaluation.evaluate import EvalSettings, batches_of_process, eval_batches, evaluate, spread_indices
+from genrl.evaluation.outputs import save_eval_outputs, save_image_grid
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
-from genrl.rollout import SamplingConfig
 from genrl.testing.tiny_pipelines import save_tiny_pipeline
+from genrl.training.rollout import SamplingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle", "two blue squares", "a cat on a table", "a dog", "the sun over the sea", "a blue bird", "a tree"]
@@ -232,8 +232,8 @@ def test_keep_samples_are_spread_over_the_evaluated_prompts(policy, reward_fn):
 
 def test_the_default_runs_grid_shows_every_kind_of_toy_prompt():
     """Count scenes and each of the four relations: before/after grids show what training changed."""
-    from genrl import train_args
-    from genrl.toy_scenes import parse_caption
+    from genrl.data.toy_scenes import parse_caption
+    from genrl.training import train_args
 
     run = train_args.toy_run()
     with open(run["eval_prompt_dataset"]) as f:
@@ -450,7 +450,7 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
 
 def test_sample_captions_stay_smaller_than_a_32px_sample(tmp_path):
     """A trained sample's caption: no n/a, no total repeating the one reward, short sub-score names."""
-    from genrl.eval_outputs import compact_scores, score_caption
+    from genrl.evaluation.outputs import compact_scores, score_caption
 
     scores = {"total": 0.6667, "toy_geneval": 0.6667, "toy_geneval_strict": 0.0, "toy_geneval_color": 1.0,
               "toy_geneval_shape": 1.0, "toy_geneval_count": None, "toy_geneval_position": 0.0}

@@ -1,12 +1,12 @@
-"""Phase 5 of an epoch (``genrl.experience.epoch_advantages``) on a real single-process
+"""Phase 5 of an epoch (``genrl.training.experience.epoch_advantages``) on a real single-process
 Accelerator: which samples the update trains on, and with which advantages."""
 
 import pytest
 import torch
 from accelerate import Accelerator
 
-from genrl.advantages import group_advantages
-from genrl.experience import AdvantageConfig, epoch_advantages
+from genrl.math.advantages import group_advantages
+from genrl.training.experience import AdvantageConfig, epoch_advantages
 
 # Two groups of 8: group 0 spread evenly, group 1 one outlier high above seven close rewards.
 REWARDS = torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 7, 1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6, 9.0])

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from genrl.acceleration import compile_repeated_blocks, set_attention_backend
+from genrl.training.acceleration import compile_repeated_blocks, set_attention_backend
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 
@@ -56,8 +56,8 @@ def test_the_sde_step_draws_its_noise_on_the_cpu_and_never_waits_for_the_gpu():
     """The seeding contract (noise from per-sample CPU generators, the same on every machine)
     without a stall: the noise reaches the GPU by a non-blocking copy from pinned memory, so
     the denoising loop queues its next step while the transformer still runs."""
-    from genrl.sde import sde_step_with_logprob
-    from genrl.seeding import noise_generator
+    from genrl.data.seeding import noise_generator
+    from genrl.math.sde import sde_step_with_logprob
 
     generator = torch.Generator().manual_seed(0)
     x, v = (torch.randn(2, 16, 3, 8, 8, generator=generator) for _ in range(2))

@@ -5,9 +5,10 @@ CPU (gloo) on a machine with fewer GPUs than processes."""
 import pytest
 import torch
 
-from conftest import launch_command
-from genrl.distributed import build_accelerator, gpu_shortage
+from genrl.distributed.launch import build_accelerator, gpu_shortage
 from genrl.errors import SetupError
+
+from conftest import launch_command
 
 
 @pytest.mark.parametrize("processes, gpus", [(1, 0), (2, 0), (1, 1), (2, 2), (8, 8), (4, 8)])

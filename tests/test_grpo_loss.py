@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from genrl.grpo import grpo_loss, select_train_timesteps
+from genrl.math.grpo import grpo_loss, select_train_timesteps
 
 CLIP = 0.2
 
@@ -125,7 +125,7 @@ def test_select_train_timesteps_in_order_and_deterministic():
 
 def _sde_transition(batch=3, dims=(4, 2, 2), seed=0):
     """x' drawn around the old mean; the current mean moved by d; s per sample."""
-    from genrl.sde import gaussian_log_prob
+    from genrl.math.sde import gaussian_log_prob
 
     g = torch.Generator().manual_seed(seed)
     old_mean = torch.randn(batch, *dims, generator=g)
@@ -139,7 +139,7 @@ def _sde_transition(batch=3, dims=(4, 2, 2), seed=0):
 
 def test_guarded_log_ratio_is_the_drift_along_the_drawn_noise():
     """s (logp - logp_old) + mean(d^2) / (2 s) = mean(d eps), by hand: the bias term is gone."""
-    from genrl.grpo import guarded_log_ratio
+    from genrl.math.grpo import guarded_log_ratio
 
     log_prob, old, mean, old_mean, std, eps, d = _sde_transition()
     guarded = guarded_log_ratio(log_prob, old, mean, old_mean, std)
@@ -156,7 +156,7 @@ def test_guarded_log_ratio_is_the_drift_along_the_drawn_noise():
 
 
 def test_guarded_log_ratio_is_zero_on_policy_and_on_deterministic_steps():
-    from genrl.grpo import guarded_log_ratio
+    from genrl.math.grpo import guarded_log_ratio
 
     log_prob, _, mean, old_mean, std, _, _ = _sde_transition()
     on_policy = guarded_log_ratio(log_prob, log_prob.detach(), old_mean, old_mean, std)
@@ -166,7 +166,7 @@ def test_guarded_log_ratio_is_zero_on_policy_and_on_deterministic_steps():
 
 
 def test_guard_timestep_weights_are_one_over_t_dt():
-    from genrl.grpo import guard_timestep_weights
+    from genrl.math.grpo import guard_timestep_weights
 
     sigmas = torch.tensor([1.0, 0.6, 0.4, 0.3])
     sigmas_next = torch.tensor([0.9, 0.5, 0.2, 0.3])  # dt 0.1, 0.1, 0.2 and a zero-length step
@@ -179,8 +179,8 @@ def test_guard_timestep_weights_are_one_over_t_dt():
 def test_reweighted_guarded_ratio_trains_short_and_long_steps_alike():
     """Through the real flow_sde step: d(w log r)/dv = -(1 + a^2 / 2) eps / (T D) at any dt, where
     the unweighted gradient is proportional to dt (a shifted schedule's short steps train less)."""
-    from genrl.grpo import guard_timestep_weights, guarded_log_ratio
-    from genrl.sde import sde_step_with_logprob
+    from genrl.math.grpo import guard_timestep_weights, guarded_log_ratio
+    from genrl.math.sde import sde_step_with_logprob
 
     g = torch.Generator().manual_seed(3)
     x = torch.randn(2, 2, 2, 2, generator=g)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from huggingface_hub import ModelCard
 
-from genrl.hub import HubPushError, push_checkpoint_async, push_to_hub
-from genrl.model_card import CardEvaluation, write_model_card
-from genrl.output_lock import LOCK_FILE
+from genrl.checkpoints.output_lock import LOCK_FILE
+from genrl.hub.model_card import CardEvaluation, write_model_card
+from genrl.hub.push import HubPushError, push_checkpoint_async, push_to_hub
 from tests.fake_hub_server import FakeHubServer
 
 TOKEN = "hf_dummy_token_for_tests"
@@ -207,7 +207,7 @@ def test_model_card_names_a_local_base_by_its_folder_and_loads_generically(tmp_p
 
 
 def test_model_card_shows_the_score_before_and_after_training(tmp_path):
-    from genrl.model_card import first_and_last_eval
+    from genrl.hub.model_card import first_and_last_eval
 
     metrics = tmp_path / "metrics.jsonl"
     lines = [{"step": 0, "epoch": 0, "eval/toy_geneval_mean": 0.4, "eval/total_mean": 0.4},
@@ -233,7 +233,7 @@ def test_model_card_names_the_objective_it_was_trained_with(tmp_path):
 
 
 def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversity_start_to_end(tmp_path):
-    from genrl.model_card import write_run_card
+    from genrl.hub.model_card import write_run_card
 
     export = tmp_path / "export"
     (export / "transformer").mkdir(parents=True)
@@ -270,7 +270,7 @@ def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversit
     (None, 0.602, "At the pipeline's defaults (`pipe(prompt)`: 28 steps, guidance 7) it scores 0.6020 on `toy_geneval`."),
 ])
 def test_run_card_states_first_what_the_export_scores_at_the_pipeline_defaults(tmp_path, before, after, sentence):
-    from genrl.model_card import write_run_card
+    from genrl.hub.model_card import write_run_card
 
     export = tmp_path / "export"
     (export / "transformer").mkdir(parents=True)

@@ -78,8 +78,7 @@ def test_a_stopped_rank_under_zero2_ends_the_run_within_the_timeout(tiny_sd3, pr
 
 
 def test_the_timeout_sentence_names_the_rank_and_the_operation(monkeypatch):
-    from genrl.distributed import describe_timeout
-
+    from genrl.distributed.launch import describe_timeout
     namespace = {}
     exec(compile("def all_gather_into_tensor():\n    raise RuntimeError('[gloo/pair.cc:534] Timed out waiting 20000ms for recv operation')\n",
                  "/site-packages/torch/distributed/distributed_c10d.py", "exec"), namespace)

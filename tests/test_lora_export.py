@@ -3,7 +3,7 @@ adapter's outputs."""
 
 import torch
 
-from genrl import checkpointing
+from genrl.checkpoints import checkpointing
 
 
 def test_a_lora_export_loads_at_its_trained_scale_when_alpha_differs_from_rank(tmp_path):
@@ -13,7 +13,7 @@ def test_a_lora_export_loads_at_its_trained_scale_when_alpha_differs_from_rank(t
 
     from genrl.policies import policy_for_pipeline
     from genrl.testing.tiny_pipelines import build_tiny_pipeline
-    from genrl.trainable import make_trainable
+    from genrl.training.trainable import make_trainable
 
     pipeline = build_tiny_pipeline("sd3")
     transformer = pipeline.transformer

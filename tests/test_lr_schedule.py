@@ -4,7 +4,7 @@ import pytest
 import torch
 from diffusers.optimization import get_scheduler
 
-from genrl.lr_schedule import parse_step_rules, scheduler_step_rules
+from genrl.training.lr_schedule import parse_step_rules, scheduler_step_rules
 
 
 def test_rules_parse_into_multipliers_below_each_boundary():

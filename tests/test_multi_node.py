@@ -117,7 +117,7 @@ def uninterrupted(service, tiny_sd3, prompt_file, tmp_path_factory):
 
 
 def test_every_node_completes_its_own_checkpoints(uninterrupted):
-    from genrl.node_storage import missing_rank_files
+    from genrl.checkpoints.node_storage import missing_rank_files
 
     for rank, node in enumerate(uninterrupted):
         assert checkpoints(node) == ["checkpoint-2", "checkpoint-4"], f"node {rank}"

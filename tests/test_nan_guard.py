@@ -1,4 +1,4 @@
-"""NaN and Inf are caught where they appear (genrl.nan_guard and the update loop, genrl/update.py):
+"""NaN and Inf are caught where they appear (genrl.training.nan_guard and the update loop, genrl/training/update.py):
 a non-finite step is skipped and said so, a few in a row stop the run with one sentence, and
 no checkpoint or export is written from the diverged weights."""
 
@@ -12,8 +12,9 @@ import subprocess
 import pytest
 import torch
 
+from genrl.training.nan_guard import NonFiniteError, NonFiniteGuard
+
 from conftest import launch_command, script_env, script_errors
-from genrl.nan_guard import NonFiniteError, NonFiniteGuard
 
 NAN = float("nan")
 

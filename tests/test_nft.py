@@ -1,9 +1,9 @@
-"""The likelihood-free objectives' math (genrl/nft.py) against hand-derived values."""
+"""The likelihood-free objectives' math (genrl/math/nft.py) against hand-derived values."""
 
 import pytest
 import torch
 
-from genrl.nft import awm_loss, forward_noise, nft_loss, optimality_weight, soft_update_decay, velocity_kl
+from genrl.math.nft import awm_loss, forward_noise, nft_loss, optimality_weight, soft_update_decay, velocity_kl
 
 
 def _scalar_case(advantage: float):

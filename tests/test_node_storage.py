@@ -1,5 +1,5 @@
 """Which checkpoint every rank resumes, and which distributed set-up may resume it: the decisions of
-genrl/node_storage.py and genrl/checkpointing.py, with the ranks' answers simulated (the real
+genrl/checkpoints/node_storage.py and genrl/checkpoints/checkpointing.py, with the ranks' answers simulated (the real
 collectives run in tests/test_multi_node.py and tests/test_train_distributed.py)."""
 
 import json
@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import pytest
 
-import genrl.node_storage as node_storage
-from genrl.checkpointing import check_checkpoint_layout
+import genrl.checkpoints.node_storage as node_storage
+from genrl.checkpoints.checkpointing import check_checkpoint_layout
+from genrl.checkpoints.node_storage import agree_on_resume, missing_rank_files
 from genrl.errors import SetupError
-from genrl.node_storage import agree_on_resume, missing_rank_files
 
 
 def ddp_checkpoint(path, step, ranks=(0, 1), ema=True):

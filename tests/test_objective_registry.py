@@ -8,15 +8,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-
-from genrl import train_args
-from genrl.experience import EpochAdvantages, EpochExperience
-from genrl.nan_guard import NonFiniteGuard
-from genrl.objectives import OBJECTIVES, Objective, UpdateConfig
-from genrl.rollout import SamplingConfig, sample_rollout
-from genrl.testing.tiny_pipelines import build_tiny_policy
-from genrl.update import update_policy
 from test_bad_input import args_with, parse_error
+
+from genrl.objectives import OBJECTIVES, Objective, UpdateConfig
+from genrl.testing.tiny_pipelines import build_tiny_policy
+from genrl.training import train_args
+from genrl.training.experience import EpochAdvantages, EpochExperience
+from genrl.training.nan_guard import NonFiniteGuard
+from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.update import update_policy
 
 torch.set_num_threads(2)
 

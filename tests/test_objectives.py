@@ -6,8 +6,8 @@ import dataclasses
 import pytest
 import torch
 
-from genrl.nft import awm_loss, forward_noise
 from genrl.errors import SetupError
+from genrl.math.nft import awm_loss, forward_noise
 from genrl.objectives import (
     awm_step_loss,
     check_sigma_range_holds,
@@ -18,8 +18,8 @@ from genrl.objectives import (
     reference_model,
     steps_in_sigma_range,
 )
-from genrl.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
 from genrl.testing.tiny_pipelines import FAMILIES, build_tiny_policy
+from genrl.training.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
 
 torch.set_num_threads(2)
 

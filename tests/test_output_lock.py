@@ -11,12 +11,13 @@ import time
 
 import pytest
 
-from conftest import ROOT, launch_command, script_env, trainer_exit_in_process
+from genrl.checkpoints.output_lock import LOCK_FILE, OutputDirLock, read_holder
 from genrl.errors import SetupError
-from genrl.output_lock import LOCK_FILE, OutputDirLock, read_holder
+
+from conftest import ROOT, launch_command, script_env, trainer_exit_in_process
 
 # A holder in a process of its own: prints "held" once it holds the folder, then waits.
-HOLDER = ("import sys, time; from genrl.output_lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
+HOLDER = ("import sys, time; from genrl.checkpoints.output_lock import OutputDirLock; OutputDirLock(sys.argv[1]).acquire(); "
           "print('held', flush=True); time.sleep(300)")
 
 
@@ -90,7 +91,7 @@ def test_a_forked_child_does_not_keep_the_folder_locked(tmp_path):
 
 
 def test_a_holder_that_has_not_written_itself_yet_is_another_process(tmp_path):
-    from genrl.output_lock import busy_sentence
+    from genrl.checkpoints.output_lock import busy_sentence
 
     (tmp_path / LOCK_FILE).write_text("")
     assert read_holder(str(tmp_path / LOCK_FILE), patience_s=0.1) is None

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 from transformers import CLIPConfig, CLIPModel
 
+from genrl.data.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 from genrl.errors import SetupError
 from genrl.rewards import lifecycle
 from genrl.rewards.pickscore import build_pickscore_reward, load_pickscore_scorer
 from genrl.rewards.registry import build_reward_fn
-from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 torch.set_num_threads(2)
 SIZE, CROP = 40, 32

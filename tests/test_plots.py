@@ -4,7 +4,7 @@ import cv2
 import numpy as np
 import pytest
 
-from genrl.plots import plot_training_curves, read_metrics, reward_names, training_curves_figure
+from genrl.evaluation.plots import plot_training_curves, read_metrics, reward_names, training_curves_figure
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
 
+from genrl.data.seeding import latent_generator
 from genrl.errors import SetupError
 from genrl.policies import (
     POLICIES,
@@ -23,8 +24,6 @@ from genrl.policies import (
     load_policy,
     policy_for_pipeline,
 )
-from genrl.rollout import SamplingConfig, sample_rollout
-from genrl.seeding import latent_generator
 from genrl.testing.tiny_pipelines import (
     FAMILIES,
     TINY_CHAT_MAX_LENGTH,
@@ -34,6 +33,7 @@ from genrl.testing.tiny_pipelines import (
     build_tiny_pipeline,
     save_tiny_pipeline,
 )
+from genrl.training.rollout import SamplingConfig, sample_rollout
 
 torch.set_num_threads(2)
 

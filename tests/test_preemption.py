@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import launch_command, run_python, run_script, script_env
+from genrl.distributed.preemption import PreemptionWatch, preempted_exit_code
 
-from genrl.preemption import PreemptionWatch, preempted_exit_code
+from conftest import launch_command, run_python, run_script, script_env
 
 REWARD = "tests._signalling_reward:brightness"
 

@@ -1,4 +1,4 @@
-"""How the scripts end (``genrl.distributed.end_processes``): a process that ran collectives
+"""How the scripts end (``genrl.distributed.launch.end_processes``): a process that ran collectives
 exits with the run's status without the interpreter's teardown, its output flushed; one that
 did not returns as usual."""
 
@@ -16,8 +16,7 @@ SCRIPT = textwrap.dedent("""
     import atexit, socket, sys
     import torch.distributed as dist
     from accelerate import Accelerator
-    from genrl.distributed import end_processes
-
+    from genrl.distributed.launch import end_processes
     if sys.argv[1] == "collectives":
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

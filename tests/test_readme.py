@@ -177,7 +177,7 @@ def known_flags(script: str) -> set[str]:
     """The option strings of a script's parser (eval_genrl.py builds its parser inside parse_args:
     its --help lists them)."""
     if script == "train_genrl.py":
-        from genrl.train_args import build_parser
+        from genrl.training.train_args import build_parser
 
         return {s for action in build_parser()._actions for s in action.option_strings} | {"--config"}
     import contextlib
@@ -227,7 +227,7 @@ def test_every_command_parses(command, tmp_path, monkeypatch, capsys):
         return  # runs for real below
     try:
         if command.script == "train_genrl.py":
-            from genrl.train_args import parse_args
+            from genrl.training.train_args import parse_args
 
             parse_args(args)
         else:
@@ -275,3 +275,18 @@ def test_cheap_commands_run(command, tmp_path):
         assert os.path.isfile(tmp_path / "out" / "README.md") and os.path.isfile(tmp_path / "out" / "genrl_config.json")
     else:
         assert json.load(open(tmp_path / "out" / "metrics.json"))
+
+
+def test_paths_named_in_the_docs_exist():
+    """Every ``genrl/...`` path the README, bench/README.md and docs/ name exists: a module moved
+    or renamed without its docs leaves newcomers looking in the wrong place."""
+    docs = [README, os.path.join(ROOT, "bench", "README.md")]
+    docs += [os.path.join(ROOT, "docs", name) for name in os.listdir(os.path.join(ROOT, "docs")) if name.endswith(".md")]
+    missing = []
+    for doc in docs:
+        with open(doc) as f:
+            text = f.read()
+        for path in set(re.findall(r"\bgenrl/[A-Za-z0-9_./-]*[A-Za-z0-9_/]", text)):
+            if not os.path.exists(os.path.join(ROOT, path)):
+                missing.append(f"{os.path.relpath(doc, ROOT)}: {path}")
+    assert not missing, missing

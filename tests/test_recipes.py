@@ -10,10 +10,10 @@ import re
 import pytest
 import torch
 
-from conftest import ROOT, run_script
-
-from genrl import train_args
 from genrl.rewards import load_reward_options
+from genrl.training import train_args
+
+from conftest import ROOT, run_script
 
 RECIPES = sorted(glob.glob(os.path.join(ROOT, "recipes", "*.yaml")))
 MODEL_RECIPES = [p for p in RECIPES if not os.path.basename(p).startswith("toy_")]
@@ -69,7 +69,7 @@ def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_p
     import re
 
     from genrl.testing.tiny_pipelines import build_tiny_pipeline
-    from genrl.trainable import make_trainable
+    from genrl.training.trainable import make_trainable
 
     args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", name)))
     transformer = build_tiny_pipeline(layout).transformer

@@ -1,6 +1,6 @@
-"""Secrets never reach what a run records: genrl.redact."""
+"""Secrets never reach what a run records: genrl.hub.redact."""
 
-from genrl.redact import REDACTED, redact_args, redact_argv, redact_text
+from genrl.hub.redact import REDACTED, redact_args, redact_argv, redact_text
 
 TOKEN = "hf_SECRETabc123SECRETabc123SECRETabc1"  # the length of a real user access token
 

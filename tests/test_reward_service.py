@@ -17,20 +17,27 @@ import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_pickscore import folders  # noqa: F401  (the tiny PickScore folders, a module fixture)
+from test_train_script import base_args
+
+from genrl.data.toy_scenes import parse_caption, render_scene
+from genrl.rewards import build_reward_fn, check_reward_options
+from genrl.rewards.registry import RewardError
+from genrl.rewards.service import ServedReward, check_service_options, pause_before_try
 
 from _local_server import RewardService
 from _tiny_qwen2vl import save_tiny_hpsv3, save_tiny_videoalign, smooth_images
 from conftest import (
-    ROOT, free_port, kill_launch, launch_command, run_python, run_script, script_env, script_errors,
+    ROOT,
+    free_port,
+    kill_launch,
+    launch_command,
+    run_python,
+    run_script,
+    script_env,
+    script_errors,
     trainer_exit_in_process,
 )
-from test_pickscore import folders  # noqa: F401  (the tiny PickScore folders, a module fixture)
-from test_train_script import base_args
-
-from genrl.rewards import build_reward_fn, check_reward_options
-from genrl.rewards.registry import RewardError
-from genrl.rewards.service import ServedReward, check_service_options, pause_before_try
-from genrl.toy_scenes import parse_caption, render_scene
 
 pytest.importorskip("ray.serve")
 

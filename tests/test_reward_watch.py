@@ -8,12 +8,12 @@ import os
 import pytest
 import torch
 
-from conftest import run_python, script_errors
+from genrl.evaluation.plots import training_curves_figure
+from genrl.evaluation.reward_watch import RewardWatch, diverging, group_diversity, watched_rewards
+from genrl.hub.model_card import CardEvaluation, write_model_card
+from genrl.training import train_args
 
-from genrl import train_args
-from genrl.model_card import CardEvaluation, write_model_card
-from genrl.plots import training_curves_figure
-from genrl.reward_watch import RewardWatch, diverging, group_diversity, watched_rewards
+from conftest import run_python, script_errors
 
 
 def test_diversity_is_zero_for_copies_and_one_between_black_and_white():

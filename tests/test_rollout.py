@@ -8,7 +8,8 @@ import PIL.Image
 import pytest
 import torch
 
-from genrl.rollout import (
+from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
+from genrl.training.rollout import (
     Rollout,
     SamplingConfig,
     concat_rollouts,
@@ -17,7 +18,6 @@ from genrl.rollout import (
     sample_rollout,
     step_log_prob,
 )
-from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 
 torch.set_num_threads(2)
 
@@ -73,7 +73,7 @@ def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window
 
 
 def test_progressive_window_slides_one_step_every_n_epochs_then_stays():
-    from genrl.rollout import progressive_window_start, stochastic_steps
+    from genrl.training.rollout import progressive_window_start, stochastic_steps
 
     # lo 1, last start 4 (range (1, 7), window 3), a step every 2 epochs: 1 1 2 2 3 3 4 4 4 ...
     assert [progressive_window_start(e, 1, 4, 2) for e in range(10)] == [1, 1, 2, 2, 3, 3, 4, 4, 4, 4]

@@ -9,10 +9,16 @@ from argparse import Namespace
 
 import pytest
 
-from conftest import run_script, trainer_exit_in_process
-from genrl.checkpointing import (
-    STATE_FILE, check_output_dir, check_resumable, identity_differences, run_identity, trim_metrics,
+from genrl.checkpoints.checkpointing import (
+    STATE_FILE,
+    check_output_dir,
+    check_resumable,
+    identity_differences,
+    run_identity,
+    trim_metrics,
 )
+
+from conftest import run_script, trainer_exit_in_process
 
 
 def fake_checkpoint(output_dir, step, run=None):

@@ -1,4 +1,4 @@
-"""Resuming reads nothing that can run code (genrl.safe_load, genrl.checkpointing.load_checkpoint).
+"""Resuming reads nothing that can run code (genrl.checkpoints.safe_load, genrl.checkpoints.checkpointing.load_checkpoint).
 
 A checkpoint is written here by a real single-process Accelerator (model, optimizer, scheduler,
 RNG states: the files DDP writes) plus genrl's EMA and state files; each file in turn is then
@@ -14,10 +14,11 @@ import shutil
 import pytest
 import torch
 
+from genrl.checkpoints.checkpointing import STATE_FILE, load_checkpoint
+from genrl.checkpoints.safe_load import UnsafeCheckpointError, load_weights_only, verify_checkpoint
+from genrl.training.ema import EMA
+
 from _poison import Payload, poison, ran
-from genrl.checkpointing import STATE_FILE, load_checkpoint
-from genrl.ema import EMA
-from genrl.safe_load import UnsafeCheckpointError, load_weights_only, verify_checkpoint
 
 
 def build(seed: int = 0):

@@ -3,7 +3,7 @@ from collections import defaultdict
 import pytest
 import torch
 
-from genrl.sampler import PromptGroupSampler, check_batch_sizes, trained_samples_per_epoch
+from genrl.data.sampler import PromptGroupSampler, check_batch_sizes, trained_samples_per_epoch
 
 
 def _all_ranks(num_processes, *, num_prompts=13, group_size=4, batch_size=6, batches_per_epoch=2, seed=7):

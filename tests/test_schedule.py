@@ -1,7 +1,7 @@
 from argparse import Namespace
 
-from genrl.schedule import RunSchedule, backward_passes_per_step
-from genrl.train_args import parse_args
+from genrl.training.schedule import RunSchedule, backward_passes_per_step
+from genrl.training.train_args import parse_args
 
 
 def grpo_args(**overrides) -> Namespace:

@@ -1,11 +1,11 @@
-"""The SDE steps of genrl.sde against an independent float64 computation, and their edge cases."""
+"""The SDE steps of genrl.math.sde against an independent float64 computation, and their edge cases."""
 
 import math
 
 import pytest
 import torch
 
-from genrl.sde import MIN_STD, adams_bashforth2_velocity, flow_sde_std, kl_between_means, sde_step_with_logprob
+from genrl.math.sde import MIN_STD, adams_bashforth2_velocity, flow_sde_std, kl_between_means, sde_step_with_logprob
 
 torch.set_num_threads(2)
 
@@ -172,7 +172,7 @@ def test_kl_between_means_matches_float64_and_vanishes_without_noise():
 def test_kl_forms_divide_by_the_transition_or_the_sde_variance():
     """transition: mean(dmu^2) / (2 (std_t sqrt|dt|)^2); sde_variance (Flow-GRPO's SD3 script):
     mean(dmu^2) / (2 std_t^2), written out here from flow_sde_std."""
-    from genrl.sde import flow_sde_std, kl_between_means, kl_in_form
+    from genrl.math.sde import flow_sde_std, kl_between_means, kl_in_form
 
     sigma, sigma_next = torch.tensor([0.9, 0.5]), torch.tensor([0.7, 0.45])
     mean, ref = torch.zeros(2, 3), torch.tensor([[0.1, 0.2, 0.3], [0.0, 0.1, 0.0]])

@@ -11,9 +11,9 @@ import textwrap
 import pytest
 import torch
 
-from genrl.rollout import SamplingConfig, concat_rollouts, sample_rollout
-from genrl.seeding import latent_generator, prompt_seed
+from genrl.data.seeding import latent_generator, prompt_seed
 from genrl.testing.tiny_pipelines import build_tiny_policy
+from genrl.training.rollout import SamplingConfig, concat_rollouts, sample_rollout
 
 torch.set_num_threads(2)
 
@@ -21,11 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = ["a red circle", "three green triangles", "a blue square left of a yellow circle"]
 
 # Prints prompt seeds and a digest of initial noise drawn from the latent generators (only
-# genrl.seeding is imported, to keep the child processes light).
+# genrl.data.seeding is imported, to keep the child processes light).
 _CHILD = textwrap.dedent(
     """
     import hashlib, json, sys
-    from genrl.seeding import latent_generator, prompt_seed, randn_per_sample
+    from genrl.data.seeding import latent_generator, prompt_seed, randn_per_sample
 
     prompts, shape = json.loads(sys.argv[1]), json.loads(sys.argv[2])
     generators = [latent_generator(p, 5, 3, k, False) for p in prompts for k in range(2)]

@@ -1,4 +1,4 @@
-"""The trainer's FLOP count (genrl.throughput): FlopCounterMode's own count of the real module,
+"""The trainer's FLOP count (genrl.training.throughput): FlopCounterMode's own count of the real module,
 the per-epoch tally of the sequences through it, and the logged throughput figures."""
 
 import pytest
@@ -6,10 +6,16 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from genrl.rollout import SamplingConfig
 from genrl.testing.tiny_pipelines import build_tiny_policy
-from genrl.throughput import PhaseFigures, TransformerCost, TransformerTally, count_transformer_flops, throughput_logs
-from genrl.trainable import make_trainable
+from genrl.training.rollout import SamplingConfig
+from genrl.training.throughput import (
+    PhaseFigures,
+    TransformerCost,
+    TransformerTally,
+    count_transformer_flops,
+    throughput_logs,
+)
+from genrl.training.trainable import make_trainable
 
 
 def counted_on_cpu(policy, transformer) -> tuple[int, int]:

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from genrl.data.toy_scenes import all_specs, caption, parse_caption, render_scene
 from genrl.rewards.toy_geneval import build_toy_geneval_reward, detect_objects, toy_geneval_scores
-from genrl.toy_scenes import all_specs, caption, parse_caption, render_scene
 
 
 def as_samples(images: list[np.ndarray]) -> torch.Tensor:

@@ -10,8 +10,8 @@ import pytest
 import torch
 from diffusers import StableDiffusion3Pipeline
 
+from genrl.data.toy_scenes import all_specs, caption, prompt_splits
 from genrl.rewards.toy_geneval import toy_geneval_scores
-from genrl.toy_scenes import all_specs, caption, prompt_splits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FOLDER = os.path.join(ROOT, "genrl", "assets", "toy-shapes-t2i")
@@ -54,7 +54,7 @@ def test_tokenizers_read_every_caption_whole(pipe):
 
 
 def test_script_builds_the_shipped_tokenizers():
-    """The script's tokenizers (built by genrl.word_tokenizer, which the tiny test pipelines
+    """The script's tokenizers (built by genrl.data.word_tokenizer, which the tiny test pipelines
     share) are still those the shipped model was trained with. Padding and truncation are left
     out: they are state that the last call leaves, not part of the tokenizer."""
     script = load_script()

@@ -3,7 +3,7 @@ import os
 import numpy as np
 import pytest
 
-from genrl.toy_scenes import (
+from genrl.data.toy_scenes import (
     COLORS,
     RELATIONS,
     SHAPES,

@@ -165,7 +165,7 @@ def test_every_config_follows_the_learning_rate_rules_in_optimizer_steps(runs):
 
 def test_zero3_builds_the_transformer_partitioned_and_counts_its_full_flops(runs):
     # The shipped zero3.yaml sets zero3_init_flag: true: no rank ever holds the whole transformer
-    # (genrl.zero_init); the weights above equal DDP's, so the partitioned load was exact.
+    # (genrl.distributed.zero_init); the weights above equal DDP's, so the partitioned load was exact.
     log = open(os.path.join(runs["zero3"], "launch.log")).read()
     held = re.findall(r"\[RANK (\d)\] Transformer built under zero.Init: this rank holds ([\d,]+) of its ([\d,]+)", log)
     assert sorted(rank for rank, _, _ in held) == ["0", "1"], log[-3000:]
@@ -228,8 +228,9 @@ def test_zero3_resumes_from_a_checkpoint_to_the_same_weights(runs, tiny_sd3, pro
 @pytest.mark.parametrize("config", CONFIGS)
 def test_real_checkpoints_pass_the_resume_check_and_each_poisoned_file_is_refused(runs, config, tmp_path):
     """The allow-list admits every file DDP, ZeRO-2 and ZeRO-3 write, and nothing with a payload."""
+    from genrl.checkpoints.safe_load import UnsafeCheckpointError, pickle_files, verify_checkpoint
+
     from _poison import poison, ran
-    from genrl.safe_load import UnsafeCheckpointError, pickle_files, verify_checkpoint
 
     checkpoint = os.path.join(runs[config], "checkpoint-1")
     assert verify_checkpoint(checkpoint, 0) == verify_checkpoint(checkpoint, 1) == []

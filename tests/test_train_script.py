@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ROOT, run_script
+from genrl.training import train_args
 
-from genrl import train_args
+from conftest import ROOT, run_script
 
 
 def base_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[str]:
@@ -27,7 +27,7 @@ def metrics(output_dir: str) -> list[dict]:
 
 
 def test_lora_with_kl_to_the_adapter_free_reference(tiny_sd3, prompt_file, tmp_path):
-    from genrl.checkpointing import load_trained_policy
+    from genrl.checkpoints.checkpointing import load_trained_policy
 
     out = str(tmp_path / "lora")
     proc = run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_lora", "--rank", "4",
@@ -72,7 +72,7 @@ def test_deepspeed_bf16_trains_bf16_weights_from_fp32_masters(tiny_sd3, prompt_f
 
 
 def test_full_finetuning_with_ema_and_kl_to_a_frozen_copy(tiny_sd3, prompt_file, tmp_path):
-    from genrl.checkpointing import load_trained_policy
+    from genrl.checkpoints.checkpointing import load_trained_policy
 
     out = str(tmp_path / "full")
     run_script("train_genrl.py", base_args(tiny_sd3, prompt_file, out, "--use_ema", "--ema_decay", "0.5",
@@ -221,7 +221,7 @@ def test_video_and_flux_pipelines_train_through_the_same_script(family, reward, 
     assert os.path.exists(os.path.join(out, exported))
     if "--max_sequence_length" in extra:  # the export samples with the T5 tokens it trained with
         import eval_genrl
-        from genrl.checkpointing import load_trained_policy
+        from genrl.checkpoints.checkpointing import load_trained_policy
 
         assert load_trained_policy(out).max_sequence_length == 6
         assert eval_genrl.trained_settings(out)["max_sequence_length"] == 6
@@ -263,8 +263,7 @@ def test_a_bad_flag_is_one_line_naming_the_flag_without_the_usage_block(tiny_sd3
 ])
 def test_other_bad_flags_are_one_line_too(tiny_sd3, prompt_file, tmp_path, capsys, extra, flag):
     """The same parser in-process (a launch per case costs a full import of the script)."""
-    from genrl import train_args
-
+    from genrl.training import train_args
     with pytest.raises(SystemExit) as exit_info:
         train_args.parse_args(base_args(tiny_sd3, prompt_file, str(tmp_path / "out"), *extra))
     lines = capsys.readouterr().err.strip().split("\n")

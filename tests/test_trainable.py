@@ -1,10 +1,10 @@
-"""Which weights train (genrl/trainable.py): the LoRA adapter's random init is a function of
+"""Which weights train (genrl/training/trainable.py): the LoRA adapter's random init is a function of
 --seed alone, so LoRA runs reproduce and every rank starts from the same adapter."""
 
 import torch
 from diffusers import SD3Transformer2DModel
 
-from genrl.trainable import make_trainable
+from genrl.training.trainable import make_trainable
 
 
 def tiny_transformer() -> SD3Transformer2DModel:

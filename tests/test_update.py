@@ -1,4 +1,4 @@
-"""The update loop's visiting order and what it logs (genrl/update.py, genrl/train_logging.py),
+"""The update loop's visiting order and what it logs (genrl/training/update.py, genrl/training/train_logging.py),
 without a model: the loop itself runs in the script tests (test_train_*.py, test_nan_guard.py)."""
 
 from collections import Counter
@@ -6,8 +6,8 @@ from collections import Counter
 import pytest
 import torch
 
-from genrl.train_logging import crossed
-from genrl.update import UpdateConfig, UpdateResult, micro_steps, micro_steps_before_the_weights_move
+from genrl.training.train_logging import crossed
+from genrl.training.update import UpdateConfig, UpdateResult, micro_steps, micro_steps_before_the_weights_move
 
 
 def update_config(objective: str, **overrides) -> UpdateConfig:

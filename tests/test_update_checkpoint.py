@@ -8,12 +8,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from genrl.experience import EpochAdvantages
-from genrl.objectives.forward import ForwardBatch
-from genrl.rollout import Rollout
-from genrl.update_checkpoint import (
-    PartialUpdate, UpdateInProgress, experience_path, load_update_in_progress, save_update_in_progress,
+from genrl.checkpoints.update_checkpoint import (
+    PartialUpdate,
+    UpdateInProgress,
+    experience_path,
+    load_update_in_progress,
+    save_update_in_progress,
 )
+from genrl.objectives.forward import ForwardBatch
+from genrl.training.experience import EpochAdvantages
+from genrl.training.rollout import Rollout
 
 
 def state(prepared) -> UpdateInProgress:

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import free_port, run_script, script_env
-
-from genrl.advantages import combine_rewards, fill_abstentions
+from genrl.math.advantages import combine_rewards, fill_abstentions
 from genrl.rewards import build_reward_fn, check_reward_options
 from genrl.rewards.lifecycle import clear_reward_models, describe_reward_models
 from genrl.rewards.vlm_judge import DEFAULT_TEMPLATE, JudgeClient, frame_indices, parse_score, public_url
+
+from conftest import free_port, run_script, script_env
 
 
 @pytest.mark.parametrize("answer, expected", [

@@ -9,10 +9,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_python, run_script, script_errors
-
-from genrl.checkpointing import load_trained_policy
+from genrl.checkpoints.checkpointing import load_trained_policy
 from genrl.testing.tiny_pipelines import save_tiny_pipeline
+
+from conftest import run_python, run_script, script_errors
 
 pytestmark = pytest.mark.slow
 

@@ -19,11 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_script, trainer_exit_in_process
+from genrl.data.prompts import check_conditioning, load_prompts
+from genrl.evaluation.evaluate import EvalResult
+from genrl.evaluation.outputs import save_eval_outputs
 
-from genrl.data import check_conditioning, load_prompts
-from genrl.eval_outputs import save_eval_outputs
-from genrl.evaluation import EvalResult
+from conftest import run_script, trainer_exit_in_process
 
 PROMPTS = ["a red circle", "a blue square", "a green triangle", "a yellow circle"]
 
@@ -150,9 +150,9 @@ def metric_lines(output_dir: str) -> list[dict]:
 
 @pytest.mark.slow
 def test_zero2_lora_grpo_on_wan21_i2v_loads_back_and_evaluates_as_in_training(i2v_prompts, tmp_path):
-    import eval_genrl
     from diffusers import WanImageToVideoPipeline
 
+    import eval_genrl
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline("wan2.1-i2v", str(tmp_path / "model"))
@@ -185,7 +185,7 @@ def test_zero2_full_nft_on_wan22_ti2v_from_images(i2v_prompts, tmp_path):
     """Wan 2.2 TI2V-5B's own folder, its prompts with images: trained as image-to-video."""
     from diffusers import WanTransformer3DModel
 
-    from genrl.checkpointing import load_trained_policy
+    from genrl.checkpoints.checkpointing import load_trained_policy
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline("wan2.2", str(tmp_path / "model"))
@@ -201,7 +201,7 @@ def test_zero2_full_nft_on_wan22_ti2v_from_images(i2v_prompts, tmp_path):
 
 @pytest.mark.slow
 def test_awm_trains_one_expert_of_wan22_i2v_a14b(i2v_prompts, tmp_path):
-    from genrl.checkpointing import load_trained_policy
+    from genrl.checkpoints.checkpointing import load_trained_policy
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
 
     model = save_tiny_pipeline("wan2.2-i2v-a14b", str(tmp_path / "model"))

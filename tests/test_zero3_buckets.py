@@ -5,7 +5,7 @@ import pytest
 import torch
 from accelerate.utils import DeepSpeedPlugin
 
-from genrl.distributed import size_zero3_buckets, transformer_width, zero3_bucket_sizes
+from genrl.distributed.zero3 import size_zero3_buckets, transformer_width, zero3_bucket_sizes
 
 
 def test_bucket_sizes_follow_the_width():

@@ -1,4 +1,4 @@
-"""Building the transformer partitioned (genrl.zero_init): which files hold which weights, what
+"""Building the transformer partitioned (genrl.distributed.zero_init): which files hold which weights, what
 refuses a checkpoint before any rank gathers, and (2 processes, zero3.yaml) that every family's
 partitioned build holds half the weights per rank and gathers to exactly the pretrained ones.
 The 2-process ZeRO-3 training runs of test_train_distributed.py go through the same build
@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from genrl.distributed.zero_init import add_variant, file_shapes, full_numel, full_shape, weight_files, weights_mismatch
 from genrl.errors import SetupError
-from genrl.zero_init import add_variant, file_shapes, full_numel, full_shape, weight_files, weights_mismatch
 
 
 def test_add_variant_goes_before_the_last_suffix():
@@ -71,7 +71,7 @@ def test_full_shape_of_an_unpartitioned_tensor_is_its_shape():
 
 
 def test_transformer_folder_of_a_local_pipeline_and_an_unreachable_hub_id(tmp_path):
-    from genrl.zero_init import transformer_folder
+    from genrl.distributed.zero_init import transformer_folder
 
     assert transformer_folder(str(tmp_path)) == str(tmp_path / "transformer")
     with pytest.raises(SetupError) as error:  # tests run with HF_HUB_OFFLINE=1
@@ -83,8 +83,9 @@ def test_transformer_folder_of_a_local_pipeline_and_an_unreachable_hub_id(tmp_pa
 def test_every_family_loads_partitioned_to_the_pretrained_weights_and_a_misfit_fails_on_every_rank(tmp_path):
     import shutil
 
-    from conftest import run_script
     from genrl.testing.tiny_pipelines import FAMILIES, save_tiny_pipeline
+
+    from conftest import run_script
 
     folders = [save_tiny_pipeline(family, str(tmp_path / family)) for family in FAMILIES]
     misfit = str(tmp_path / "misfit")  # one block more in the config than in the weights

@@ -1,5 +1,5 @@
 """The trainer's configuration: one dataclass per concern (``SECTIONS``), parsed from flags
-and config files by ``transformers.HfArgumentParser`` (``build_parser``); ``genrl.train_args``
+and config files by ``transformers.HfArgumentParser`` (``build_parser``); ``genrl.training.train_args``
 puts the parts together.
 
     model.py        the base model, LoRA, EMA

@@ -5,10 +5,11 @@ and the Hub repo name."""
 import argparse
 import os
 
-from genrl.distributed import check_launched_processes, under_zero3
 from genrl.config.sampling import check_sde_window
+from genrl.data.sampler import check_batch_sizes
+from genrl.distributed.launch import check_launched_processes
+from genrl.distributed.zero3 import under_zero3
 from genrl.objectives import OBJECTIVES, get_objective
-from genrl.sampler import check_batch_sizes
 
 
 def check_run(args: argparse.Namespace) -> None:

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from transformers.hf_argparser import HfArg
 
-from genrl.lr_schedule import parse_step_rules
+from genrl.training.lr_schedule import parse_step_rules
 
 
 @dataclass

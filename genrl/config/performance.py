@@ -6,8 +6,9 @@ from typing import Literal
 
 from transformers.hf_argparser import HfArg
 
-from genrl.acceleration import check_attention_backend_name
-from genrl.distributed import check_mixed_precision, under_zero3
+from genrl.distributed.launch import check_mixed_precision
+from genrl.distributed.zero3 import under_zero3
+from genrl.training.acceleration import check_attention_backend_name
 
 
 @dataclass

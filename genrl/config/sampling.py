@@ -6,8 +6,8 @@ from typing import Literal
 
 from transformers.hf_argparser import HfArg
 
-from genrl.rollout import SamplingConfig, sde_window_start
-from genrl.sde import ODE_SOLVERS, SDE_TYPES
+from genrl.math.sde import ODE_SOLVERS, SDE_TYPES
+from genrl.training.rollout import SamplingConfig, sde_window_start
 
 
 @dataclass

@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from genrl.config.parser import ConfigParser
-from genrl.distributed import under_zero3
+from genrl.distributed.zero3 import under_zero3
 from genrl.objectives import OBJECTIVES
 
 # Stands for "not given" where None is a value a flag can have.

@@ -2,7 +2,7 @@
 
 ``grpo`` trains on the recorded SDE transitions of a rollout (their log-probs); ``nft`` and
 ``awm`` train on its clean final latents, noised again by the forward process
-(``genrl.objectives.forward``). The update loop (``genrl.update``) is the same for all: it asks
+(``genrl.objectives.forward``). The update loop (``genrl.training.update``) is the same for all: it asks
 the objective what to prepare from the epoch's samples, which timesteps to train, and the loss
 of each micro batch at each of them (``genrl.objectives.base.Objective``). An objective is one
 module; registering an instance here (or ``OBJECTIVES[name] = ...`` before the flags are

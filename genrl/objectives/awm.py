@@ -1,15 +1,15 @@
 """``--objective awm`` (advantage-weighted matching): the pretraining flow-matching loss of the
-clean samples noised again, weighted by their advantages (``genrl.nft.awm_loss``)."""
+clean samples noised again, weighted by their advantages (``genrl.math.nft.awm_loss``)."""
 
 from __future__ import annotations
 
 import torch
 
-from genrl.nft import awm_loss
+from genrl.math.nft import awm_loss
 from genrl.objectives.base import UpdateConfig
 from genrl.objectives.forward import ForwardBatch, ForwardObjective, forward_step_loss
 from genrl.policies.base import FlowPolicy
-from genrl.rollout import Rollout, SamplingConfig
+from genrl.training.rollout import Rollout, SamplingConfig
 
 
 def awm_step_loss(

@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 
 from genrl.policies.base import FlowPolicy, unwrap_module
-from genrl.rollout import Rollout, SamplingConfig
+from genrl.training.rollout import Rollout, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class UpdateConfig:
         train the conditional velocity).
     clip_range, kl_form, grpo_guard, grpo_guard_reweight: GRPO's. adv_clip_max, nft_beta: NFT's. beta: the KL weight of all three.
     sampling_decay_rate, sampling_decay_max: the soft update of the sampling policy (nft, awm;
-        ``genrl.nft.soft_update_decay``).
+        ``genrl.math.nft.soft_update_decay``).
     """
 
     objective: str
@@ -74,7 +74,7 @@ def reference_model(model: torch.nn.Module, frozen_copy: torch.nn.Module | None)
 
 def check_soft_update_flags(args: argparse.Namespace) -> None:
     """The range of ``--sampling_policy_decay_rate`` and ``--sampling_policy_decay_max``
-    (``genrl.nft.soft_update_decay``), whatever the objective."""
+    (``genrl.math.nft.soft_update_decay``), whatever the objective."""
     if args.sampling_policy_decay_rate < 0 or not 0 <= args.sampling_policy_decay_max < 1:
         raise ValueError(
             f"--sampling_policy_decay_rate must be >= 0 and --sampling_policy_decay_max in [0, 1), got "
@@ -83,7 +83,7 @@ def check_soft_update_flags(args: argparse.Namespace) -> None:
 
 
 class Objective:
-    """One ``--objective``: how the update (``genrl.update.update_policy``) trains on an epoch's
+    """One ``--objective``: how the update (``genrl.training.update.update_policy``) trains on an epoch's
     samples. Registered by name in ``genrl.objectives.OBJECTIVES``, which ``--objective`` offers.
 
     Per epoch the update calls ``prepare`` once, then per inner epoch ``draw_timesteps`` after
@@ -96,7 +96,7 @@ class Objective:
     # The loss compares the trained forward with the sampling policy's at the same point (NFT's
     # old velocity): ``prepare`` records the sampling policy's, except in the micro batches whose
     # passes still run on the sampling weights, which take it from their own forward
-    # (``old_is_current``; ``genrl.update.micro_steps_before_the_weights_move``).
+    # (``old_is_current``; ``genrl.training.update.micro_steps_before_the_weights_move``).
     uses_sampling_outputs: bool = False
     # The flags only this objective reads: a config file's values of them are dropped, not
     # refused, when a command-line flag chooses another objective (``genrl.config.sources``).

@@ -1,6 +1,6 @@
 """What the likelihood-free objectives (``nft``, ``awm``) share: they train on a rollout's clean
 final latents, noised again by the forward process at drawn steps of the sampling schedule
-(``genrl.nft.forward_noise``), so they need no log-probs and work with any sampler.
+(``genrl.math.nft.forward_noise``), so they need no log-probs and work with any sampler.
 
 ``ForwardObjective`` draws those noised samples once per epoch (``draw_forward_batch``) and
 computes a loss of the trained policy's conditional velocity there (``forward_step_loss``);
@@ -15,12 +15,12 @@ from typing import Callable, Sequence
 
 import torch
 
+from genrl.data.seeding import forward_generator
 from genrl.errors import SetupError
-from genrl.nft import forward_noise, velocity_kl
+from genrl.math.nft import forward_noise, velocity_kl
 from genrl.objectives.base import Objective, UpdateConfig, check_soft_update_flags, reference_model
 from genrl.policies.base import FlowPolicy
-from genrl.rollout import Rollout, SamplingConfig
-from genrl.seeding import forward_generator
+from genrl.training.rollout import Rollout, SamplingConfig
 
 
 @dataclass
@@ -107,7 +107,7 @@ def draw_forward_batch(
             f"num_timesteps must be between 1 and the {len(candidates)} sampling steps it is drawn from, got {num_timesteps}."
         )
     if rollout.final_latents is None:
-        raise ValueError("The rollout kept no final latents; sample it with genrl.rollout.sample_rollout.")
+        raise ValueError("The rollout kept no final latents; sample it with genrl.training.rollout.sample_rollout.")
     clean = rollout.final_latents.float()
     steps, noise = [], []
     for prompt, index in zip(rollout.prompts, rollout.group_indices):

@@ -1,5 +1,5 @@
 """``--objective grpo`` (Flow-GRPO / DanceGRPO): the clipped-ratio loss of the recorded SDE
-transitions of a rollout (``genrl.grpo.grpo_loss`` of their recomputed log-probs), at each
+transitions of a rollout (``genrl.math.grpo.grpo_loss`` of their recomputed log-probs), at each
 sample's own shuffled ``--timestep_fraction`` of its stochastic steps."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import argparse
 
 import torch
 
-from genrl.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio, select_train_timesteps
+from genrl.math.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio, select_train_timesteps
+from genrl.math.sde import kl_between_means, kl_in_form
 from genrl.objectives.base import Objective, UpdateConfig, check_soft_update_flags, reference_model
 from genrl.policies.base import FlowPolicy
-from genrl.rollout import Rollout, SamplingConfig, step_log_prob
-from genrl.sde import kl_between_means, kl_in_form
+from genrl.training.rollout import Rollout, SamplingConfig, step_log_prob
 
 
 def grpo_step_loss(
@@ -34,9 +34,9 @@ def grpo_step_loss(
     """GRPO loss of samples ``idx`` ``(b,)`` at their recorded steps ``steps`` ``(b,)`` (column
     indices into the rollout's ``(B, S)`` records); ``advantages`` ``(B,)`` of the whole rollout.
     With ``beta`` > 0 the KL to the reference policy's SDE mean is added, in ``kl_form``
-    (``genrl.sde.kl_in_form``). ``guard``: GRPO-Guard's normalised ratio
-    (``genrl.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps).
-    ``reweight``: GRPO-Guard's per-timestep weights 1 / (T dt) (``genrl.grpo.guard_timestep_weights``)."""
+    (``genrl.math.sde.kl_in_form``). ``guard``: GRPO-Guard's normalised ratio
+    (``genrl.math.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps).
+    ``reweight``: GRPO-Guard's per-timestep weights 1 / (T dt) (``genrl.math.grpo.guard_timestep_weights``)."""
     embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
     transition = (
         rollout.latents[idx, steps], rollout.next_latents[idx, steps], rollout.timesteps[idx, steps],

@@ -1,6 +1,6 @@
 """``--objective nft`` (DiffusionNFT): the trained velocity pulled towards an implicit positive
 policy on good samples and away from an implicit negative one on bad samples, both around the
-sampling ("old") policy's velocity (``genrl.nft.nft_loss``), on the clean samples noised again.
+sampling ("old") policy's velocity (``genrl.math.nft.nft_loss``), on the clean samples noised again.
 
 The old velocities are recorded in ``prepare``, before the epoch's first optimizer step moves
 the weights; the passes of that first step (on-policy) take them from their own forward."""
@@ -11,11 +11,11 @@ import argparse
 
 import torch
 
-from genrl.nft import nft_loss
+from genrl.math.nft import nft_loss
 from genrl.objectives.base import UpdateConfig
 from genrl.objectives.forward import ForwardBatch, ForwardObjective, fill_old_velocity, forward_step_loss
 from genrl.policies.base import FlowPolicy
-from genrl.rollout import Rollout, SamplingConfig
+from genrl.training.rollout import Rollout, SamplingConfig
 
 
 def nft_step_loss(

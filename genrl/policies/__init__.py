@@ -8,6 +8,7 @@ import os
 import diffusers
 import torch
 
+from genrl.distributed.zero_init import load_partitioned_transformer, transformer_folder
 from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
@@ -17,7 +18,6 @@ from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
 from genrl.policies.wan_i2v import WanImageToVideoPolicy
 from genrl.policies.zimage import ZImagePolicy
-from genrl.zero_init import load_partitioned_transformer, transformer_folder
 
 # Pipeline class name (model_index.json "_class_name") -> adapter.
 POLICIES: dict[str, type[FlowPolicy]] = {
@@ -124,7 +124,7 @@ def load_policy(
     (None: the pipeline's default).
 
     ``zero3_init_config`` (a ZeRO-3 DeepSpeed config, with ``zero3_init_flag: true``): the
-    transformer is built partitioned across the ranks (``genrl.zero_init``) and no rank holds
+    transformer is built partitioned across the ranks (``genrl.distributed.zero_init``) and no rank holds
     all of it; collective, every rank calls it.
 
     A two-expert Wan 2.2 pipeline (A14B) trains the ``wan_expert`` ("high": ``transformer``,

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
-from genrl.seeding import randn_per_sample
+from genrl.data.seeding import randn_per_sample
 
 
 def calculate_shift(

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
+from genrl.data.prompt_images import read_image, unique_images
 from genrl.policies.wan import WanPolicy
-from genrl.prompt_images import read_image, unique_images
 
 
 class WanImageToVideoPolicy(WanPolicy):

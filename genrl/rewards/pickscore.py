@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from genrl.distributed import zero_init_disabled
+from genrl.distributed.zero3 import zero_init_disabled
 from genrl.rewards import lifecycle
 from genrl.rewards.model_reward import FOLDER, ScorerFamily, build_scorer_reward, resolve_dtype, resolve_folder
 

@@ -27,8 +27,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 from torch import nn
 
-# Reward models are frozen: they are built outside ZeRO-3's partitioning (see genrl.distributed).
-from genrl.distributed import zero_init_disabled as zero3_init_disabled
+# Reward models are frozen: they are built outside ZeRO-3's partitioning (see genrl.distributed.zero3).
+from genrl.distributed.zero3 import zero_init_disabled as zero3_init_disabled
 
 PEFT_PREFIX = "base_model.model."
 _TEXT_PARTS = ("embed_tokens", "layers", "norm")

@@ -222,7 +222,7 @@ class RewardFn:
     with ``total = sum_i weight_i * score_i`` over the nonzero weights (weight 0: reported only). Attributes: ``names``, ``weights``, ``device``,
     ``allow_nan``. A NaN score ("not applicable to this sample", e.g. a position check on a
     counting prompt) is an error unless ``allow_nan`` or the reward ``may_abstain`` (a judge that
-    gave no score: training counts it as its group's average, ``genrl.advantages.fill_abstentions``);
+    gave no score: training counts it as its group's average, ``genrl.math.advantages.fill_abstentions``);
     then it makes that sample's total NaN.
     """
 

@@ -4,7 +4,7 @@ For each image it finds the coloured blobs (HSV thresholds, connected components
 colour), names each blob's shape from two numbers (an upright triangle's mass sits low:
 its vertical skewness is about -0.56, a circle's and a square's 0; a square fills its
 bounding box, a circle ~pi/4 of it), and checks them against the prompt, read with
-``genrl.toy_scenes.parse_caption``. Checks, one group per category:
+``genrl.data.toy_scenes.parse_caption``. Checks, one group per category:
 
 - colour:   for every named object, some blob has its colour;
 - shape:    for every named object, some blob has its colour and shape;
@@ -30,8 +30,8 @@ import cv2
 import numpy as np
 import torch
 
+from genrl.data.toy_scenes import COLORS, SceneSpec, parse_caption, relation_holds
 from genrl.rewards.registry import unknown_option
-from genrl.toy_scenes import COLORS, SceneSpec, parse_caption, relation_holds
 
 CATEGORIES = ("color", "shape", "count", "position")
 SCORE_NAMES = ("overall", "strict") + CATEGORIES

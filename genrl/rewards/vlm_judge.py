@@ -16,7 +16,7 @@ depends on the sample, the prompt and the judge alone.
 An answer without such a number (a refusal, prose, a number out of range) or a request that failed
 after its retries is NaN, with the reason logged: the judge abstains on that sample
 (``may_abstain``), and training counts it as the average of its prompt group for this reward
-(``genrl.advantages.fill_abstentions``), never as 0; also behind the reward service
+(``genrl.math.advantages.fill_abstentions``), never as 0; also behind the reward service
 (``serve_rewards.py``), which reports ``may_abstain`` to its clients. Requests run
 ``max_concurrency`` at a time; each has a timeout and is retried ``retries`` times with
 exponential backoff.

@@ -7,7 +7,7 @@ the same components as the published models, shrunk to a few hundred thousand pa
 so that tests and benchmarks exercise the exact code paths of the full-size models on a
 CPU. Tokenizers are word-level over ``TINY_VOCAB`` (lower-cased,
 split on whitespace and punctuation; other words map to ``<unk>``), built in memory by
-``genrl.word_tokenizer``; the chat-templated text encoders' (Qwen, Mistral) add their control
+``genrl.data.word_tokenizer``; the chat-templated text encoders' (Qwen, Mistral) add their control
 tokens and template.
 
 ``save_tiny_pipeline`` also writes ``sampling_defaults.json`` (height, width, num_frames),
@@ -65,8 +65,8 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from genrl.data.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
-from genrl.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 
 FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is

@@ -3,7 +3,7 @@
 ``tiny_pipelines``' random Wan VAE decodes every latent to nearly the same video, so no policy
 could move a reward computed on its decodes (``bench/bench_learning.py --setting video`` prints
 how far). Here the same pipeline gets a wider ``AutoencoderKLWan`` trained as an autoencoder on
-clips of ``genrl.toy_scenes`` (shapes drifting smoothly, or jumping every frame), with its
+clips of ``genrl.data.toy_scenes`` (shapes drifting smoothly, or jumping every frame), with its
 ``latents_mean`` / ``latents_std`` set from the encoded clips as Wan's are: standard-normal
 latents then decode to plausible, varied clips, and what the transformer samples decides how
 smooth they are. The transformer and text encoder stay random: the benchmark's reward
@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from diffusers import AutoencoderKLWan
 
+from genrl.data.toy_scenes import all_specs, render_clip
 from genrl.testing.tiny_pipelines import TINY_SAMPLING_DEFAULTS, build_tiny_pipeline, write_sampling_defaults
-from genrl.toy_scenes import all_specs, render_clip
 
 PIXEL_RANGE = 0.9
 

@@ -1,0 +1,1 @@
+"""Prompts: prompt sets, conditioning images, the toy world, prompt-group sampling and seeds."""
