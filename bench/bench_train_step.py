@@ -42,10 +42,8 @@ def ppo_step(policy, model, optimizer, accelerator, rollout, advantages: torch.T
 
     device = advantages.device
     start = time.perf_counter()
-    out = step_log_prob(
-        policy, model, rollout.latents[:, j], rollout.next_latents[:, j], rollout.timesteps[:, j],
-        rollout.sigmas[:, j], rollout.sigmas_next[:, j], rollout.embeds, config=config, sigma_max=rollout.sigma_max,
-    )
+    samples = torch.arange(len(rollout.prompts))
+    out = step_log_prob(policy, model, rollout.transitions(samples, torch.full_like(samples, j)), config=config)
     loss, _ = grpo_loss(out.log_prob, rollout.log_probs[:, j].to(out.log_prob.device), advantages, clip_range)
     accelerator.backward(loss)
     synchronize(device)

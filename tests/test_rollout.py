@@ -10,7 +10,6 @@ import torch
 
 from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 from genrl.training.rollout import (
-    Rollout,
     SamplingConfig,
     concat_rollouts,
     decode_in_chunks,
@@ -30,20 +29,6 @@ def policies():
     return {family: build_tiny_policy(family).to("cpu") for family in FAMILIES}
 
 
-def _flat(rollout: Rollout):
-    """Every recorded transition as one batch: (B * S, ...) tensors and per-sample embeds."""
-    steps = rollout.num_steps
-    embeds = {k: v.repeat_interleave(steps, dim=0) for k, v in rollout.embeds.items()}
-    return (
-        rollout.latents.flatten(0, 1),
-        rollout.next_latents.flatten(0, 1),
-        rollout.timesteps.flatten(),
-        rollout.sigmas.flatten(),
-        rollout.sigmas_next.flatten(),
-        embeds,
-    )
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("guidance_scale", [1.0, 3.0])
 @pytest.mark.parametrize("window", [0, 2])
@@ -60,7 +45,7 @@ def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window
     assert torch.isfinite(rollout.log_probs).all()
 
     # Re-score every transition in one mixed batch: samples sit at different steps.
-    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
     assert (out.std > 0).all()
 
@@ -142,7 +127,7 @@ def test_step_log_prob_carries_gradients_to_the_transformer(policies):
     config = SamplingConfig(num_inference_steps=4, guidance_scale=2.0, sde_window_size=1)
     rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], GROUP_INDICES[:2], seed=0, epoch=0, config=config, device="cpu")
     policy.transformer.zero_grad()
-    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     out.log_prob.sum().backward()
     grads = [p.grad for p in policy.transformer.parameters() if p.grad is not None]
     assert grads and any(g.abs().sum() > 0 for g in grads)
@@ -261,9 +246,9 @@ def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(exper
     policy = WanPolicy(build_tiny_pipeline("wan2.2-a14b"), expert=expert, guidance_scale_2=2.0, **sizes).to("cpu")
     config = SamplingConfig(num_inference_steps=4, guidance_scale=3.0, noise_level=0.9)
     rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], [0, 1], seed=1, epoch=0, config=config, device="cpu")
-    flat = _flat(rollout)
-    assert policy.expert_of(flat[2]).any() and not policy.expert_of(flat[2]).all(), "the batch must mix the experts"
-    out = step_log_prob(policy, policy.transformer, *flat, config=config, sigma_max=rollout.sigma_max)
+    batch = rollout.all_transitions()
+    assert policy.expert_of(batch.timesteps).any() and not policy.expert_of(batch.timesteps).all(), "the batch must mix the experts"
+    out = step_log_prob(policy, policy.transformer, batch, config=config)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
 
 
@@ -279,7 +264,7 @@ def test_image_to_video_recomputes_its_log_probs_and_keeps_its_image_in_frame_0(
     rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=1, epoch=0, config=config,
                              device="cpu", images=[images[0], images[0], images[1]])
     assert all(v.shape[0] == 3 for v in rollout.embeds.values())
-    out = step_log_prob(policy, policy.transformer, *_flat(rollout), config=config, sigma_max=rollout.sigma_max)
+    out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
     if policy.first_frame_conditioned:
         assert torch.equal(rollout.final_latents[:, :, :1], rollout.embeds["condition"])
@@ -287,3 +272,24 @@ def test_image_to_video_recomputes_its_log_probs_and_keeps_its_image_in_frame_0(
             v = policy.predict_velocity(policy.transformer, rollout.latents[:, 0], rollout.timesteps[:, 0], rollout.embeds,
                                         guidance_scale)
         assert (v[:, :, 0] == 0).all() and (v[:, :, 1:] != 0).all()
+
+
+def test_transitions_pick_each_sample_at_its_own_step(policies):
+    """``Rollout.transitions(idx, steps)`` is sample idx[i] at recorded column steps[i], its embeds
+    with it; ``all_transitions`` is every record, sample-major, as the flattened ``(B, S)`` records."""
+    policy = policies["sd3"]
+    config = SamplingConfig(**{**TINY_SAMPLING_DEFAULTS["sd3"], "sde_window_size": 3})
+    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    idx, steps = torch.tensor([2, 0]), torch.tensor([1, 2])
+    batch = rollout.transitions(idx, steps)
+    for i, (sample, step) in enumerate(zip(idx.tolist(), steps.tolist())):
+        assert torch.equal(batch.latents[i], rollout.latents[sample, step])
+        assert torch.equal(batch.next_latents[i], rollout.next_latents[sample, step])
+        assert batch.sigmas_next[i] == rollout.sigmas_next[sample, step] and batch.timesteps[i] == rollout.timesteps[sample, step]
+        for key, value in rollout.embeds.items():
+            assert torch.equal(batch.embeds[key][i], value[sample])
+    every = rollout.all_transitions()
+    assert torch.equal(every.latents, rollout.latents.flatten(0, 1))
+    assert torch.equal(every.sigmas, rollout.sigmas.flatten())
+    for key, value in rollout.embeds.items():
+        assert torch.equal(every.embeds[key], value.repeat_interleave(rollout.num_steps, dim=0))

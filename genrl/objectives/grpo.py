@@ -37,17 +37,13 @@ def grpo_step_loss(
     (``genrl.math.sde.kl_in_form``). ``guard``: GRPO-Guard's normalised ratio
     (``genrl.math.grpo.guarded_log_ratio``; needs the rollout's recorded means, flow_sde steps).
     ``reweight``: GRPO-Guard's per-timestep weights 1 / (T dt) (``genrl.math.grpo.guard_timestep_weights``)."""
-    embeds = {k: v[idx.to(v.device)] for k, v in rollout.embeds.items()}
-    transition = (
-        rollout.latents[idx, steps], rollout.next_latents[idx, steps], rollout.timesteps[idx, steps],
-        rollout.sigmas[idx, steps], rollout.sigmas_next[idx, steps], embeds,
-    )
-    out = step_log_prob(policy, model, *transition, config=config, sigma_max=rollout.sigma_max)
+    batch = rollout.transitions(idx, steps)
+    out = step_log_prob(policy, model, batch, config=config)
     kl = None
     if beta > 0:
         with torch.no_grad(), reference_model(model, frozen_reference) as ref:
-            ref_out = step_log_prob(policy, ref, *transition, config=config, sigma_max=rollout.sigma_max)
-        kl = kl_in_form(kl_between_means(out.mean, ref_out.mean, out.std), transition[3], transition[4], kl_form)
+            ref_out = step_log_prob(policy, ref, batch, config=config)
+        kl = kl_in_form(kl_between_means(out.mean, ref_out.mean, out.std), batch.sigmas, batch.sigmas_next, kl_form)
     old = rollout.log_probs[idx, steps].to(out.log_prob.device)
     log_ratio = None
     if guard:
@@ -57,7 +53,7 @@ def grpo_step_loss(
         log_ratio = guarded_log_ratio(out.log_prob, old, out.mean, old_mean, out.std)
     weights = None
     if reweight:
-        weights = guard_timestep_weights(transition[3], transition[4], config.num_inference_steps).to(out.log_prob.device)
+        weights = guard_timestep_weights(batch.sigmas, batch.sigmas_next, config.num_inference_steps).to(out.log_prob.device)
     adv = advantages[idx].to(out.log_prob.device)
     return grpo_loss(out.log_prob, old, adv, clip_range, kl=kl, beta=beta, log_ratio=log_ratio, weights=weights)
 

@@ -122,6 +122,43 @@ class Rollout:
         """S, the number of recorded steps per sample."""
         return self.log_probs.shape[1]
 
+    def transitions(self, idx: torch.Tensor, steps: torch.Tensor) -> "Transitions":
+        """The recorded steps ``steps`` ``(b,)`` (columns of the ``(B, S)`` records) of samples
+        ``idx`` ``(b,)``, one transition per pair."""
+        return Transitions(
+            latents=self.latents[idx, steps],
+            next_latents=self.next_latents[idx, steps],
+            timesteps=self.timesteps[idx, steps],
+            sigmas=self.sigmas[idx, steps],
+            sigmas_next=self.sigmas_next[idx, steps],
+            embeds={k: v[idx.to(v.device)] for k, v in self.embeds.items()},
+            sigma_max=self.sigma_max,
+        )
+
+    def all_transitions(self) -> "Transitions":
+        """Every recorded step of every sample as one batch of B * S transitions, sample-major."""
+        samples = torch.arange(len(self.prompts)).repeat_interleave(self.num_steps)
+        return self.transitions(samples, torch.arange(self.num_steps).repeat(len(self.prompts)))
+
+
+@dataclass(frozen=True)
+class Transitions:
+    """A batch of b recorded SDE transitions, each of its own sample and step.
+
+    latents, next_latents: ``(b, ...)`` the state before / after the step.
+    timesteps, sigmas, sigmas_next: ``(b,)`` where each transition sits in its schedule.
+    embeds: the prompt embeddings of each transition's sample, ``(b, ...)`` each.
+    sigma_max: the schedule's second sigma (see ``genrl.math.sde.flow_sde_std``).
+    """
+
+    latents: torch.Tensor
+    next_latents: torch.Tensor
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    sigmas_next: torch.Tensor
+    embeds: dict[str, torch.Tensor]
+    sigma_max: float
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -277,10 +314,24 @@ def sample_rollout(
     decode_seconds = time.perf_counter() - decode_start
     state_shape = latents.shape[1:]
     del next_latents, velocity, step_velocity, prev_velocity
-    rollout = _stack_records(records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples)
-    rollout.final_latents = latents
-    rollout.decode_seconds = decode_seconds
-    return rollout
+    recorded, next_recorded, log_probs, means, steps = _stack_records(records, state_shape, timesteps.device)
+    return Rollout(
+        prompts=list(prompts),
+        group_indices=list(group_indices),
+        latents=recorded,
+        next_latents=next_recorded,
+        timesteps=timesteps[steps],
+        sigmas=sigmas[steps],
+        sigmas_next=sigmas[steps + 1],
+        log_probs=log_probs,
+        step_indices=steps,
+        sigma_max=sigma_max,
+        means=means,
+        embeds=embeds,
+        final_latents=latents,
+        samples=samples,
+        decode_seconds=decode_seconds,
+    )
 
 
 def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -301,66 +352,42 @@ def decode_in_chunks(decode: Callable[[torch.Tensor], torch.Tensor], latents: to
 
 
 def _stack_records(
-    records, state_shape, prompts, group_indices, timesteps, sigmas, sigma_max, embeds, samples
-) -> Rollout:
-    """Per-sample lists of ``StepRecord`` -> batch-first tensors."""
+    records: list[list[StepRecord]], state_shape: torch.Size, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Per-sample lists of ``StepRecord`` -> batch-first (latents, next_latents, log_probs,
+    means, step indices): ``(B, S, ...)``, ``(B, S, ...)``, ``(B, S)``, ``(B, S, ...)`` or None,
+    ``(B, S)`` long."""
     counts = {len(r) for r in records}
     if len(counts) != 1:
         raise RuntimeError(f"Samples recorded different numbers of stochastic steps: {sorted(counts)}.")
-    device = timesteps.device
     steps = torch.tensor([[rec.step for rec in r] for r in records], dtype=torch.long, device=device)
+    steps = steps.reshape(len(records), -1)
     if counts == {0}:  # deterministic sampling: nothing to train on, shapes kept consistent
         latents = next_latents = means = torch.empty(len(records), 0, *state_shape, device=device)
-        log_probs = torch.empty(len(records), 0, device=device)
-    else:
-        latents = torch.stack([torch.stack([rec.latents for rec in r]) for r in records])
-        next_latents = torch.stack([torch.stack([rec.next_latents for rec in r]) for r in records])
-        log_probs = torch.stack([torch.stack([rec.log_prob for rec in r]) for r in records])
-        means = torch.stack([torch.stack([rec.mean for rec in r]) for r in records]) if records[0][0].mean is not None else None
-    return Rollout(
-        prompts=list(prompts),
-        group_indices=list(group_indices),
-        latents=latents,
-        next_latents=next_latents,
-        timesteps=timesteps[steps],
-        sigmas=sigmas[steps],
-        sigmas_next=sigmas[steps + 1],
-        log_probs=log_probs,
-        step_indices=steps.reshape(len(records), -1),
-        sigma_max=sigma_max,
-        means=means,
-        embeds=embeds,
-        samples=samples,
-    )
+        return latents, next_latents, torch.empty(len(records), 0, device=device), means, steps
+    latents = torch.stack([torch.stack([rec.latents for rec in r]) for r in records])
+    next_latents = torch.stack([torch.stack([rec.next_latents for rec in r]) for r in records])
+    log_probs = torch.stack([torch.stack([rec.log_prob for rec in r]) for r in records])
+    means = torch.stack([torch.stack([rec.mean for rec in r]) for r in records]) if records[0][0].mean is not None else None
+    return latents, next_latents, log_probs, means, steps
 
 
 def step_log_prob(
-    policy: FlowPolicy,
-    transformer: torch.nn.Module,
-    latents: torch.Tensor,
-    next_latents: torch.Tensor,
-    timesteps: torch.Tensor,
-    sigmas: torch.Tensor,
-    sigmas_next: torch.Tensor,
-    embeds: dict[str, torch.Tensor],
-    *,
-    config: SamplingConfig,
-    sigma_max: float,
+    policy: FlowPolicy, transformer: torch.nn.Module, batch: Transitions, *, config: SamplingConfig
 ) -> SDEStepOutput:
-    """Log-prob (and mean, std) of recorded transitions ``latents -> next_latents`` under the
-    current weights of ``transformer``, with gradients. Every argument is per sample:
-    latents/next_latents ``(B, ...)``, timesteps/sigmas/sigmas_next ``(B,)``, embeds ``(B, ...)``;
-    samples may sit at different steps. CFG as ``config.guidance_scale`` asks."""
-    velocity = policy.predict_velocity(transformer, latents, timesteps, embeds, config.guidance_scale)
+    """Log-prob (and mean, std) of the recorded transitions ``batch`` (latents -> next_latents)
+    under the current weights of ``transformer``, with gradients. The transitions may sit at
+    different steps. CFG as ``config.guidance_scale`` asks."""
+    velocity = policy.predict_velocity(transformer, batch.latents, batch.timesteps, batch.embeds, config.guidance_scale)
     return sde_step_with_logprob(
         velocity,
-        sigmas,
-        sigmas_next,
-        latents,
+        batch.sigmas,
+        batch.sigmas_next,
+        batch.latents,
         noise_level=config.noise_level,
         sde_type=config.sde_type,
-        sigma_max=sigma_max,
-        next_sample=next_latents,
+        sigma_max=batch.sigma_max,
+        next_sample=batch.next_latents,
     )
 
 
