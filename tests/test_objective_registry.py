@@ -39,14 +39,14 @@ class PushVelocity(Objective):
         self.prepared_with.append(record)
         return torch.linspace(900, 100, config.num_timesteps)  # (num_timesteps,), scheduler units
 
-    def loss(self, policy, model, rollout, prepared, idx, timestep, advantages, *, config, sampling, frozen_reference,
-             old_is_current):
+    def loss(self, update, idx, timestep, *, old_is_current):
         self.trained_at.append((idx.tolist(), timestep))
+        policy, rollout = update.policy, update.rollout
         embeds = {k: v[idx] for k, v in rollout.embeds.items()}
-        t = prepared[timestep].expand(len(idx))
-        velocity = policy.predict_velocity(model, rollout.final_latents[idx], t, embeds,
-                                           policy.conditional_guidance(config.guidance_scale))
-        loss = -(advantages[idx] * velocity.float().mean(dim=tuple(range(1, velocity.ndim)))).mean()
+        t = update.prepared[timestep].expand(len(idx))
+        velocity = policy.predict_velocity(update.model, rollout.final_latents[idx], t, embeds,
+                                           policy.conditional_guidance(update.config.guidance_scale))
+        loss = -(update.advantages[idx] * velocity.float().mean(dim=tuple(range(1, velocity.ndim)))).mean()
         return loss, {"policy_loss": loss.detach()}
 
 

@@ -12,7 +12,7 @@ parsed) makes it a ``--objective`` choice.
 from __future__ import annotations
 
 from genrl.objectives.awm import AWMObjective, awm_step_loss
-from genrl.objectives.base import Objective, UpdateConfig, reference_model
+from genrl.objectives.base import EpochUpdate, Objective, UpdateConfig, reference_model
 from genrl.objectives.forward import (
     ForwardBatch,
     ForwardObjective,
@@ -33,6 +33,7 @@ OBJECTIVES: dict[str, Objective] = {
 }
 
 __all__ = [
+    "EpochUpdate",
     "OBJECTIVES", "Objective", "ForwardObjective", "GRPOObjective", "NFTObjective", "AWMObjective", "UpdateConfig",
     "get_objective", "reference_model", "ForwardBatch", "check_sigma_range_holds", "draw_forward_batch",
     "fill_old_velocity", "rollout_sigmas", "steps_in_sigma_range", "grpo_step_loss", "nft_step_loss", "awm_step_loss",

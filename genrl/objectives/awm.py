@@ -6,10 +6,9 @@ from __future__ import annotations
 import torch
 
 from genrl.math.nft import awm_loss
-from genrl.objectives.base import UpdateConfig
+from genrl.objectives.base import EpochUpdate
 from genrl.objectives.forward import ForwardBatch, ForwardObjective, forward_step_loss
 from genrl.policies.base import FlowPolicy
-from genrl.training.rollout import Rollout, SamplingConfig
 
 
 def awm_step_loss(
@@ -37,11 +36,10 @@ def awm_step_loss(
 
 class AWMObjective(ForwardObjective):
     def loss(
-        self, policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, prepared: ForwardBatch, idx: torch.Tensor,
-        timestep: int, advantages: torch.Tensor, *, config: UpdateConfig, sampling: SamplingConfig,
-        frozen_reference: torch.nn.Module | None, old_is_current: bool,
+        self, update: EpochUpdate, idx: torch.Tensor, timestep: int, *, old_is_current: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return awm_step_loss(
-            policy, model, prepared, rollout.embeds, idx, timestep, advantages, guidance_scale=config.guidance_scale,
-            beta=config.beta, frozen_reference=frozen_reference,
+            update.policy, update.model, update.prepared, update.rollout.embeds, idx, timestep, update.advantages,
+            guidance_scale=update.config.guidance_scale, beta=update.config.beta,
+            frozen_reference=update.frozen_reference,
         )

@@ -82,6 +82,27 @@ def check_soft_update_flags(args: argparse.Namespace) -> None:
         )
 
 
+@dataclass(frozen=True)
+class EpochUpdate:
+    """What every loss of one epoch's update reads.
+
+    policy: the model family's adapter; model: the trained transformer (with its current weights).
+    rollout: the epoch's B samples; prepared: what the objective's ``prepare`` made of them.
+    advantages: ``(B,)`` the whole rollout's. config: how the update trains; sampling: how the
+    rollout was sampled. frozen_reference: the KL reference of full fine-tuning
+    (``reference_model``), else None.
+    """
+
+    policy: FlowPolicy
+    model: torch.nn.Module
+    rollout: Rollout
+    prepared: Any
+    advantages: torch.Tensor
+    config: UpdateConfig
+    sampling: SamplingConfig
+    frozen_reference: torch.nn.Module | None = None
+
+
 class Objective:
     """One ``--objective``: how the update (``genrl.training.update.update_policy``) trains on an epoch's
     samples. Registered by name in ``genrl.objectives.OBJECTIVES``, which ``--objective`` offers.
@@ -139,13 +160,9 @@ class Objective:
         return None
 
     def loss(
-        self, policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, prepared: Any, idx: torch.Tensor,
-        timestep: torch.Tensor | int, advantages: torch.Tensor, *, config: UpdateConfig, sampling: SamplingConfig,
-        frozen_reference: torch.nn.Module | None, old_is_current: bool,
+        self, update: EpochUpdate, idx: torch.Tensor, timestep: torch.Tensor | int, *, old_is_current: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """``(loss, stats)`` of samples ``idx`` ``(b,)`` at ``timestep``: a row of
-        ``draw_timesteps`` ``(b,)``, or the column j. ``advantages`` ``(B,)`` of the whole
-        rollout; ``sampling``: how it was sampled; ``frozen_reference``: the KL reference of full
-        fine-tuning (``reference_model``); ``old_is_current``: the weights are still those that
-        sampled the rollout. Stats are detached scalars, logged as ``train/<name>``."""
+        """``(loss, stats)`` of samples ``idx`` ``(b,)`` of ``update.rollout`` at ``timestep``: a
+        row of ``draw_timesteps`` ``(b,)``, or the column j. ``old_is_current``: the weights are
+        still those that sampled the rollout. Stats are detached scalars, logged as ``train/<name>``."""
         raise NotImplementedError

@@ -10,7 +10,7 @@ import torch
 
 from genrl.math.grpo import grpo_loss, guard_timestep_weights, guarded_log_ratio, select_train_timesteps
 from genrl.math.sde import kl_between_means, kl_in_form
-from genrl.objectives.base import Objective, UpdateConfig, check_soft_update_flags, reference_model
+from genrl.objectives.base import EpochUpdate, Objective, UpdateConfig, check_soft_update_flags, reference_model
 from genrl.policies.base import FlowPolicy
 from genrl.training.rollout import Rollout, SamplingConfig, step_log_prob
 
@@ -139,15 +139,14 @@ class GRPOObjective(Objective):
         )
 
     def loss(
-        self, policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, prepared: None, idx: torch.Tensor,
-        timestep: torch.Tensor, advantages: torch.Tensor, *, config: UpdateConfig, sampling: SamplingConfig,
-        frozen_reference: torch.nn.Module | None, old_is_current: bool,
+        self, update: EpochUpdate, idx: torch.Tensor, timestep: torch.Tensor, *, old_is_current: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config, advantages = update.config, update.advantages
         # Without a KL term a zero-advantage sample adds nothing to the loss or its gradient.
         rows, row_steps, scale = (idx, timestep, 1.0) if config.beta > 0 else informative_rows(idx, timestep, advantages)
         loss, stats = grpo_step_loss(
-            policy, model, rollout, rows, row_steps, advantages, config=sampling, clip_range=config.clip_range,
-            beta=config.beta, frozen_reference=frozen_reference, kl_form=config.kl_form,
-            guard=config.grpo_guard, reweight=config.grpo_guard_reweight,
+            update.policy, update.model, update.rollout, rows, row_steps, advantages, config=update.sampling,
+            clip_range=config.clip_range, beta=config.beta, frozen_reference=update.frozen_reference,
+            kl_form=config.kl_form, guard=config.grpo_guard, reweight=config.grpo_guard_reweight,
         )
         return loss * scale, stats

@@ -12,10 +12,10 @@ import argparse
 import torch
 
 from genrl.math.nft import nft_loss
-from genrl.objectives.base import UpdateConfig
+from genrl.objectives.base import EpochUpdate, UpdateConfig
 from genrl.objectives.forward import ForwardBatch, ForwardObjective, fill_old_velocity, forward_step_loss
 from genrl.policies.base import FlowPolicy
-from genrl.training.rollout import Rollout, SamplingConfig
+from genrl.training.rollout import Rollout
 
 
 def nft_step_loss(
@@ -79,12 +79,11 @@ class NFTObjective(ForwardObjective):
         return batch
 
     def loss(
-        self, policy: FlowPolicy, model: torch.nn.Module, rollout: Rollout, prepared: ForwardBatch, idx: torch.Tensor,
-        timestep: int, advantages: torch.Tensor, *, config: UpdateConfig, sampling: SamplingConfig,
-        frozen_reference: torch.nn.Module | None, old_is_current: bool,
+        self, update: EpochUpdate, idx: torch.Tensor, timestep: int, *, old_is_current: bool
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        config = update.config
         return nft_step_loss(
-            policy, model, prepared, rollout.embeds, idx, timestep, advantages, guidance_scale=config.guidance_scale,
-            adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta, beta=config.beta,
-            frozen_reference=frozen_reference, old_is_current=old_is_current,
+            update.policy, update.model, update.prepared, update.rollout.embeds, idx, timestep, update.advantages,
+            guidance_scale=config.guidance_scale, adv_clip_max=config.adv_clip_max, nft_beta=config.nft_beta,
+            beta=config.beta, frozen_reference=update.frozen_reference, old_is_current=old_is_current,
         )

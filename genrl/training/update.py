@@ -34,7 +34,7 @@ import torch
 from genrl.checkpoints.update_checkpoint import PartialUpdate
 from genrl.data.seeding import mix_seeds
 from genrl.math.nft import soft_update_decay
-from genrl.objectives import UpdateConfig, get_objective
+from genrl.objectives import EpochUpdate, UpdateConfig, get_objective
 from genrl.training.nan_guard import NonFiniteGuard, is_finite
 
 if TYPE_CHECKING:
@@ -168,16 +168,14 @@ def update_policy(
             prepared = objective.prepare(policy, model, rollout, record, config=config, seed=seed, epoch=epoch,
                                          device=accelerator.device)
         start, result = 0, UpdateResult(run.global_step)
+    update = EpochUpdate(policy, model, rollout, prepared, advantages, config, run.sampling, run.frozen_reference)
     skipped_at_start = guard.skipped - (resume.skipped_steps if resume is not None else 0)
     window_stats, losses_finite = [], True  # of the optimizer step being accumulated
     for n, (idx, timestep) in enumerate(plan):
         if n < start:  # done before the checkpoint this run resumed
             continue
         with accelerator.accumulate(model):
-            loss, stats = objective.loss(
-                policy, model, rollout, prepared, idx, timestep, advantages, config=config, sampling=run.sampling,
-                frozen_reference=run.frozen_reference, old_is_current=n < fresh,
-            )
+            loss, stats = objective.loss(update, idx, timestep, old_is_current=n < fresh)
             losses_finite = losses_finite and is_finite(loss)
             accelerator.backward(loss)
             applied, norm = optimizer_step(accelerator, model, run.optimizer, run.lr_scheduler, guard,
