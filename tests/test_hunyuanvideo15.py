@@ -60,6 +60,8 @@ def test_the_guider_decides_cfg_and_one_sampling_cannot_reproduce_is_refused():
     assert pipeline_call_defaults(pipeline) == {"num_inference_steps": 50, "guidance_scale": 6.0}
     policy = policy_for_pipeline(pipeline)
     assert policy.use_cfg(6.0) and not policy.use_cfg(1.0)
+    pipeline.target_size = 640  # the 480p checkpoints': pipe(prompt) samples 121 frames at 480x848
+    assert policy.pipeline_default_size() == (480, 848, 121)
     pipeline.guider = ClassifierFreeGuidance(guidance_scale=6.0, enabled=False)  # the pipeline then runs no CFG
     assert not policy.use_cfg(6.0) and "negative_prompt_embeds" not in policy.encode_prompts(["a cat"], "cpu", 6.0)
     for guider in (ClassifierFreeGuidance(guidance_rescale=0.7), ClassifierFreeGuidance(start=0.2),
