@@ -29,7 +29,8 @@ def check_guider(guider) -> None:
     plain = (type(guider).__name__ == "ClassifierFreeGuidance" and not config.get("guidance_rescale")
              and not config.get("use_original_formulation") and (config.get("start"), config.get("stop")) == (0.0, 1.0))
     if not plain:
-        raise SetupError(f"The pipeline's guider ({type(guider).__name__} {dict(config)}) is not supported: genrl samples "
+        settings = {k: v for k, v in config.items() if not k.startswith("_")}
+        raise SetupError(f"The pipeline's guider ({type(guider).__name__} {settings}) is not supported: genrl samples "
                          "HunyuanVideo 1.5 with plain CFG at every step (ClassifierFreeGuidance without rescale, start 0, "
                          "stop 1).")
 
