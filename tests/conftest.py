@@ -220,7 +220,7 @@ SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
 # commands, the reward service and the VLM judge's server, two "nodes", the two-expert Wan, a run
 # that hacks its reward.
 EXTENDED_MODULES = {"test_bench", "test_readme", "test_reward_service", "test_vlm_judge", "test_multi_node",
-                    "test_wan_experts", "test_wan_i2v", "test_image_families"}
+                    "test_wan_experts", "test_wan_i2v", "test_image_families", "test_hunyuanvideo15"}
 EXTENDED_TESTS = {"test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving"}
 
 

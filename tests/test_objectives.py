@@ -150,7 +150,7 @@ def test_old_velocities_are_recorded_only_for_the_micro_batches_asked(policies):
     assert torch.isnan(batch.old_velocity[[0, 2]]).all()
 
 
-@pytest.mark.parametrize("family", ["sd3", "zimage", "flux2-klein", "qwenimage", "flux2"])
+@pytest.mark.parametrize("family", ["sd3", "zimage", "flux2-klein", "qwenimage", "flux2", "hunyuanvideo15"])
 def test_awm_step_is_the_advantage_weighted_flow_matching_loss(family, policies):
     policy = policies[family]
     rollout, config = _rollout(policy, guidance_scale=3.0)

@@ -7,7 +7,13 @@ import numpy as np
 import PIL.Image
 import pytest
 import torch
-from diffusers import DiffusionPipeline, FlowMatchEulerDiscreteScheduler, FluxPipeline, UniPCMultistepScheduler
+from diffusers import (
+    ClassifierFreeGuidance,
+    DiffusionPipeline,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    UniPCMultistepScheduler,
+)
 
 from genrl.data.seeding import latent_generator
 from genrl.errors import SetupError
@@ -16,6 +22,7 @@ from genrl.policies import (
     Flux2KleinPolicy,
     Flux2Policy,
     FluxPolicy,
+    HunyuanVideo15Policy,
     QwenImagePolicy,
     SD3Policy,
     WanImageToVideoPolicy,
@@ -38,10 +45,10 @@ from genrl.training.rollout import SamplingConfig, sample_rollout
 torch.set_num_threads(2)
 
 ADAPTERS = {"wan": WanPolicy, "sd3": SD3Policy, "flux": FluxPolicy, "zimage": ZImagePolicy, "flux2-klein": Flux2KleinPolicy,
-            "qwenimage": QwenImagePolicy, "flux2": Flux2Policy}
+            "qwenimage": QwenImagePolicy, "flux2": Flux2Policy, "hunyuanvideo15": HunyuanVideo15Policy}
 # Prompts through a chat template: the tiny Qwen and Mistral tokenizers' token limits.
 CHAT_LIMITS = {"zimage": TINY_CHAT_MAX_LENGTH, "flux2-klein": TINY_CHAT_MAX_LENGTH, "qwenimage": TINY_CHAT_MAX_LENGTH,
-               "flux2": TINY_MISTRAL_MAX_LENGTH}
+               "flux2": TINY_MISTRAL_MAX_LENGTH, "hunyuanvideo15": TINY_CHAT_MAX_LENGTH}
 
 
 def _image(seed: int, height: int = 40, width: int = 48) -> PIL.Image.Image:
@@ -73,7 +80,7 @@ def test_save_and_load_round_trip(family, tiny_dirs, policies):
 
     policy = policies[family]
     assert type(policy) is ADAPTERS[family] and policy.family == family
-    assert policy.is_video == (family == "wan")
+    assert policy.is_video == (family in ("wan", "hunyuanvideo15"))
     defaults = TINY_SAMPLING_DEFAULTS[family]
     assert (policy.default_height, policy.default_width) == (defaults["height"], defaults["width"])
     assert policy.default_num_frames == defaults["num_frames"]
@@ -114,6 +121,9 @@ def test_load_policy_errors(tmp_path, monkeypatch):
         load_policy(str(tmp_path))
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(SetupError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
+        load_policy(str(tmp_path))
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideo15ImageToVideoPipeline"}))
+    with pytest.raises(SetupError, match="is a HunyuanVideo 1.5 image-to-video pipeline .* train a text-to-video"):
         load_policy(str(tmp_path))
     # A family the installed diffusers does not have yet (an older diffusers without Z-Image).
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
@@ -217,7 +227,7 @@ def test_encode_prompts_is_batch_first_with_negatives_for_true_cfg(family, polic
     torch.testing.assert_close(alone["prompt_embeds"][0], without["prompt_embeds"][1])
 
 
-@pytest.mark.parametrize("family", ["zimage", "qwenimage"])
+@pytest.mark.parametrize("family", ["zimage", "qwenimage", "hunyuanvideo15"])
 def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
     """Families whose transformer sees each prompt's tokens alone keep them right-padded with a
     mask: each row holds its own prompt's tokens, the caller's prompt list is left as it was
@@ -246,7 +256,8 @@ def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
 
 @pytest.mark.parametrize(
     "family, shape", [("wan", (4, 2, 4, 4)), ("sd3", (4, 8, 8)), ("flux", (4, 8, 8)), ("zimage", (4, 8, 8)),
-                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4)), ("flux2", (16, 4, 4))]
+                      ("flux2-klein", (16, 4, 4)), ("qwenimage", (4, 4, 4)), ("flux2", (16, 4, 4)),
+                      ("hunyuanvideo15", (4, 2, 2, 2))]
 )
 def test_prepare_latents_draws_each_sample_from_its_generator(family, shape, policies):
     policy = policies[family]
@@ -275,7 +286,7 @@ def test_schedule_starts_at_one_and_ends_at_zero(family, policies):
     torch.testing.assert_close(timesteps, sigmas[:-1] * 1000)
 
 
-@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein", "qwenimage"])
+@pytest.mark.parametrize("family", ["wan", "sd3", "zimage", "flux2-klein", "qwenimage", "hunyuanvideo15"])
 def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     """v = v_u + g (v_c - v_u); Z-Image's pipeline writes it v = v_c + g (v_c - v_u), guidance 0
     being the conditional velocity alone; Qwen-Image's rescales v to |v_c| token by token (a token:
@@ -349,7 +360,7 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
                                                     ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b/low", 3.0), ("zimage", 3.0),
                                                     ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0),
                                                     ("qwenimage", 4.0), ("qwenimage", 1.0), ("flux2", 4.0),
-                                                    ("flux2", 1.5)])
+                                                    ("flux2", 1.5), ("hunyuanvideo15", 4.0), ("hunyuanvideo15", 1.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
@@ -365,6 +376,8 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         extra = {"guidance_scale_2": 2.0}
     height, width, num_frames = TINY_SAMPLING_DEFAULTS[family].values()
     prompts = ["a red circle above a blue square", "three green triangles"]
+    if family == "hunyuanvideo15":  # its second encoder (ByT5) reads the prompt's quoted text
+        prompts[1] = 'a sign that says "open" near a tree'
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
     images = [_image(0)] * 2 if policy.image_conditioned else None
     rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
@@ -404,6 +417,17 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         torch.testing.assert_close(type(policy.pipeline)._pack_latents(ours, *ours.shape), final, rtol=0, atol=1e-5)
     elif policy.family == "flux2":  # guidance goes in as an input of the transformer
         expected = policy.pipeline(latents=latents, **kwargs).images.unsqueeze(2)
+    elif policy.family == "hunyuanvideo15":  # guided by its guider component; its VAE decodes one clip at a time
+        pipeline, guider = policy.pipeline, policy.pipeline.guider
+        call = dict(prompt=prompts, negative_prompt=["dark"] * 2, height=height, width=width, num_frames=num_frames,
+                    num_inference_steps=4, latents=latents)
+        pipeline.guider, pipeline.vae.use_slicing = ClassifierFreeGuidance(guidance_scale=guidance_scale), True
+        try:
+            expected = pipeline(**call, output_type="pt").frames.permute(0, 2, 1, 3, 4)
+            final = pipeline(**call, output_type="latent").frames
+        finally:
+            pipeline.guider, pipeline.vae.use_slicing = guider, False
+        torch.testing.assert_close(rollout.final_latents, final, rtol=0, atol=1e-5)
     else:
         packed = FluxPipeline._pack_latents(latents, *latents.shape)
         expected = policy.pipeline(latents=packed, **kwargs).images.unsqueeze(2)

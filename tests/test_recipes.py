@@ -61,6 +61,8 @@ JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_
     ("qwenimage_grpo.yaml", "qwenimage", JOINT_ATTENTION[:-1] + r"|\.(img_mlp|txt_mlp)\.net\.0\.proj$", 64),
     ("flux2_dev_grpo.yaml", "flux2",
      JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
+    # HunyuanVideo 1.5: both streams' attention projections (the text refiner's self-attention too).
+    ("hunyuanvideo15_t2v_grpo.yaml", "hunyuanvideo15", JOINT_ATTENTION, 64),
 ])
 def test_image_recipes_adapt_the_modules_their_papers_do(name, layout, adapted_pattern, rank):
     """Flow-GRPO's and DiffusionNFT's LoRA targets, which name the joint attention's projections
@@ -166,3 +168,18 @@ def test_the_wan22_a14b_recipe_lays_out_flow_factorys_epoch_on_8_gpus():
     shift, sigma = 3.0, 1 - 2 / args.num_inference_steps  # step 2's unshifted noise level
     assert shift * sigma / (1 + (shift - 1) * sigma) >= 0.875
     assert "zero3.yaml" in open(path).read()
+
+
+def test_the_hunyuanvideo15_recipe_lays_out_dancegrpos_epoch_on_8_gpus():
+    """A prompt of 24 clips on each GPU, the 8 whose rewards vary most trained in two optimizer
+    steps, 60% of the 15 recorded stochastic steps (9) trained a clip; 53 frames, a size the 16x
+    VAE takes; VideoAlign's visual quality as the reward."""
+    from genrl.testing.tiny_pipelines import build_tiny_policy
+
+    args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", "hunyuanvideo15_t2v_grpo.yaml")))
+    per_gpu = args.rollout_batch_size * args.rollout_batches_per_epoch
+    assert (args.group_size, per_gpu // args.group_size, args.train_samples_per_group) == (24, 1, 8)
+    assert args.train_samples_per_group // (args.train_batch_size * args.gradient_accumulation_steps) == 2
+    assert args.sde_window_size == 0 and train_args.num_trained_timesteps(args) == 9
+    assert build_tiny_policy("hunyuanvideo15").latent_shape(args.height, args.width, args.num_frames)[1:] == (14, 30, 30)
+    assert args.reward_fn == "videoalign_vq:1.0" and args.objective == "grpo" and args.guidance_scale == 6.0

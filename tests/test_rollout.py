@@ -50,9 +50,9 @@ def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window
     assert (out.std > 0).all()
 
     # Decoded samples: on the CPU, (B, C, F, H, W), in [0, 1].
-    frames = TINY_SAMPLING_DEFAULTS[family]["num_frames"]
+    size = TINY_SAMPLING_DEFAULTS[family]
     assert rollout.samples.device.type == "cpu" and rollout.samples.dtype == torch.float32
-    assert rollout.samples.shape == (2, 3, frames, 32, 32)
+    assert rollout.samples.shape == (2, 3, size["num_frames"], size["height"], size["width"])
     assert rollout.samples.min() >= 0 and rollout.samples.max() <= 1 and rollout.samples.std() > 0
     assert rollout.prompts == prompts and rollout.group_indices == indices
 

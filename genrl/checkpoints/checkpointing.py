@@ -357,8 +357,15 @@ def _save_lora(accelerator, model: torch.nn.Module, policy: FlowPolicy, path: st
     lora_layers = get_peft_model_state_dict(unwrapped, state_dict=state_dict)
     # The adapter's config goes with it: without it load_lora_weights takes lora_alpha = rank, so an
     # adapter trained at another --lora_alpha would load at the wrong scale (alpha / rank).
-    type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name,
-                                            transformer_lora_adapter_metadata=unwrapped.peft_config["default"].to_dict())
+    metadata = unwrapped.peft_config["default"].to_dict()
+    if hasattr(type(policy.pipeline), "save_lora_weights"):
+        type(policy.pipeline).save_lora_weights(path, transformer_lora_layers=lora_layers, weight_name=weight_name,
+                                                transformer_lora_adapter_metadata=metadata)
+    else:  # a pipeline without a LoRA loader (HunyuanVideo 1.5): the same file, read by pipe.transformer.load_lora_adapter
+        from diffusers.loaders.lora_base import LoraBaseMixin
+
+        LoraBaseMixin._save_lora_weights(path, lora_layers={"transformer": lora_layers},
+                                         lora_metadata={"transformer": metadata}, weight_name=weight_name)
 
 
 def export_model(
@@ -538,7 +545,11 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
     policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
                          image_conditioned=image_conditioned, **experts)
     suffix, component = "_ema" if use_ema else "", policy.trained_component
-    if config["use_lora"]:
+    if config["use_lora"] and not hasattr(policy.pipeline, "load_lora_weights"):  # HunyuanVideo 1.5: no LoRA loader
+        policy.transformer.load_lora_adapter(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)
+        policy.transformer.fuse_lora()
+        policy.transformer.unload_lora()
+    elif config["use_lora"]:
         into_second = {"load_into_transformer_2": True} if component == "transformer_2" else {}
         policy.pipeline.load_lora_weights(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE, **into_second)
         policy.pipeline.fuse_lora(components=[component])

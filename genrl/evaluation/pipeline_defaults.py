@@ -26,10 +26,15 @@ SETTING_KEYS = ("num_inference_steps", "guidance_scale")
 
 def pipeline_call_defaults(pipeline) -> dict[str, float]:
     """``{"num_inference_steps": n, "guidance_scale": g}``: the defaults of ``pipeline``'s
-    ``__call__`` (a pipeline instance or class), those of the two it has."""
+    ``__call__`` (a pipeline instance or class), those of the two it has; the scale of the
+    ``guider`` component of a pipeline that takes none."""
     parameters = inspect.signature(pipeline.__call__).parameters
-    return {key: parameters[key].default for key in SETTING_KEYS
-            if key in parameters and isinstance(parameters[key].default, (int, float))}
+    defaults = {key: parameters[key].default for key in SETTING_KEYS
+                if key in parameters and isinstance(parameters[key].default, (int, float))}
+    guider = getattr(pipeline, "guider", None)  # HunyuanVideo 1.5
+    if guider is not None and "guidance_scale" not in defaults:
+        defaults["guidance_scale"] = float(guider.guidance_scale)
+    return defaults
 
 
 def at_pipeline_defaults(config: SamplingConfig, pipeline) -> SamplingConfig:

@@ -13,6 +13,7 @@ from genrl.errors import SetupError, hub_failure_reason, hub_hint
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.flux2 import Flux2KleinPolicy, Flux2Policy
+from genrl.policies.hunyuan15 import HunyuanVideo15Policy, image_to_video_message
 from genrl.policies.qwenimage import QwenImagePolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
@@ -29,13 +30,14 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "Flux2KleinPipeline": Flux2KleinPolicy,
     "QwenImagePipeline": QwenImagePolicy,
     "Flux2Pipeline": Flux2Policy,
+    "HunyuanVideo15Pipeline": HunyuanVideo15Policy,
 }
 
 # Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
 __all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy",
-           "Flux2Policy", "QwenImagePolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
+           "Flux2Policy", "QwenImagePolicy", "HunyuanVideo15Policy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -141,6 +143,8 @@ def load_policy(
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
+    if class_name == "HunyuanVideo15ImageToVideoPipeline":
+        raise SetupError(image_to_video_message(path))
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
     if getattr(diffusers, class_name, None) is None:

@@ -1,5 +1,5 @@
-"""Tiny random-init diffusers pipelines (Wan video; SD3, FLUX.1, Z-Image, FLUX.2 and Qwen-Image
-images) built offline, for tests and benchmarks (training does not use them: the trainer's
+"""Tiny random-init diffusers pipelines (Wan and HunyuanVideo 1.5 video; SD3, FLUX.1, Z-Image, FLUX.2
+and Qwen-Image images) built offline, for tests and benchmarks (training does not use them: the trainer's
 no-argument run uses the shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
 They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ... objects with
@@ -24,8 +24,10 @@ import torch
 from diffusers import (
     AutoencoderKL,
     AutoencoderKLFlux2,
+    AutoencoderKLHunyuanVideo15,
     AutoencoderKLQwenImage,
     AutoencoderKLWan,
+    ClassifierFreeGuidance,
     DiffusionPipeline,
     FlowMatchEulerDiscreteScheduler,
     Flux2KleinPipeline,
@@ -33,6 +35,8 @@ from diffusers import (
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideo15Pipeline,
+    HunyuanVideo15Transformer3DModel,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -43,8 +47,9 @@ from diffusers import (
     ZImagePipeline,
     ZImageTransformer2DModel,
 )
-from tokenizers import AddedToken
+from tokenizers import AddedToken, Regex, pre_tokenizers
 from transformers import (
+    ByT5Tokenizer,
     CLIPImageProcessor,
     CLIPTextConfig,
     CLIPTextModel,
@@ -56,6 +61,8 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLTextConfig,
+    Qwen2_5_VLTextModel,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -68,7 +75,7 @@ from transformers import (
 from genrl.data.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
 
-FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2")
+FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2", "hunyuanvideo15")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
 # Wan 2.2 TI2V-5B's (a 16x VAE that patchifies its frames, one timestep per latent token), "sd3.5"
 # SD3.5-Medium's (a second, image-only attention in the first blocks; RMS-normed queries and keys),
@@ -94,6 +101,8 @@ TINY_SAMPLING_DEFAULTS = {
     "flux2-klein": {"height": 32, "width": 32, "num_frames": 1},
     "qwenimage": {"height": 32, "width": 32, "num_frames": 1},
     "flux2": {"height": 32, "width": 32, "num_frames": 1},
+    # 16x VAE: 2x3 latent pixels (not square, so that height and width cannot be swapped unseen).
+    "hunyuanvideo15": {"height": 32, "width": 48, "num_frames": 5},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -173,6 +182,20 @@ def _chat_tokenizer(vocab: tuple[str, ...], special: tuple[str, ...], template: 
 def tiny_chat_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTokenizerFast:
     """Qwen's: ``TINY_CHAT_VOCAB`` with ``QWEN_CHAT_TEMPLATE``."""
     return _chat_tokenizer(TINY_CHAT_VOCAB, CHAT_TOKENS, QWEN_CHAT_TEMPLATE, max_length)
+
+
+# Qwen2's pre-tokenizer on whitespace, beside the word-level split: a run of spaces, all but its last
+# (which joins the next word), is a token, and a space before a digit is a token of its own. With it the
+# tiny tokenizer gives HunyuanVideo 1.5's system message the 108 tokens its pipeline crops, as Qwen2.5-VL's does.
+QWEN_WHITESPACE = r"\w+|[^\w\s]+|\s+(?=\s)|\s(?=\d)"
+
+
+def tiny_qwen25_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """Qwen2.5-VL's: ``tiny_chat_tokenizer`` whose words split on whitespace as Qwen2's (``QWEN_WHITESPACE``)."""
+    tokenizer = tiny_chat_tokenizer(max_length)
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(QWEN_WHITESPACE), behavior="removed",
+                                                                     invert=True)
+    return tokenizer
 
 
 def tiny_mistral_tokenizer(max_length: int = TINY_MISTRAL_MAX_LENGTH) -> PreTrainedTokenizerFast:
@@ -578,6 +601,37 @@ def _build_qwenimage() -> QwenImagePipeline:
     )
 
 
+def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
+    """HunyuanVideo 1.5's text-to-video layout: an MMDiT over the latents of a 16x spatial, 4x temporal
+    causal VAE, which it takes beside as many condition channels and a mask channel (zero without an
+    image); prompts as the third-to-last hidden states of Qwen2.5-VL's language model (so three layers
+    here) after the pipeline's system message, and the quoted text in them through a ByT5 encoder
+    (byte-level: its real tokenizer); CFG by the pipeline's guider."""
+    z_dim, text_width, glyph_width = 4, 32, 16
+    transformer = HunyuanVideo15Transformer3DModel(
+        in_channels=2 * z_dim + 1, out_channels=z_dim, num_attention_heads=2, attention_head_dim=16, num_layers=2,
+        num_refiner_layers=1, text_embed_dim=text_width, text_embed_2_dim=glyph_width, image_embed_dim=16,
+        rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",  # the rope axes sum to the head dim
+    )
+    vae = AutoencoderKLHunyuanVideo15(
+        latent_channels=z_dim, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
+        scaling_factor=1.5,  # (1.03682 in the real one) far from 1, so that decoding must undo it
+    )
+    text_encoder = Qwen2_5_VLTextModel(Qwen2_5_VLTextConfig(
+        vocab_size=len(TINY_CHAT_VOCAB), hidden_size=text_width, intermediate_size=64, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, initializer_range=0.2,
+        rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0}, pad_token_id=0,
+        bos_token_id=None, eos_token_id=TINY_CHAT_VOCAB.index("<|im_end|>"),
+    ))
+    glyph_encoder = T5EncoderModel(T5Config(**{**_TINY_T5, "vocab_size": 384, "d_model": glyph_width},
+                                            feed_forward_proj="gated-gelu"))  # ByT5: 256 bytes, 3 special and 125 extra ids
+    return HunyuanVideo15Pipeline(
+        text_encoder=text_encoder, tokenizer=tiny_qwen25_tokenizer(), transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=glyph_encoder,
+        tokenizer_2=ByT5Tokenizer(), guider=ClassifierFreeGuidance(guidance_scale=6.0),
+    )
+
+
 def _build_sd35() -> StableDiffusion3Pipeline:
     """SD3.5-Medium's layout (MMDiT-X): blocks 0-12 of its 24 add an image-only attention
     (``attn2``) beside the joint one, and every attention RMS-norms its queries and keys."""
@@ -586,6 +640,7 @@ def _build_sd35() -> StableDiffusion3Pipeline:
 
 _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
              "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "flux2": _build_flux2,
+             "hunyuanvideo15": _build_hunyuanvideo15,
              "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v,
              "wan2.2-i2v-a14b": _build_wan22_i2v_a14b, "wan2.2-i2v": _build_wan22_i2v}
 
