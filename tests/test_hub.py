@@ -293,3 +293,41 @@ def test_run_card_states_first_what_the_export_scores_at_the_pipeline_defaults(t
     assert " ".join(first_lines.split()).count(sentence) == 1, first_lines
     assert "it was not evaluated and" not in first_lines  # the unmeasured wording gives way to the figure
     assert "| toy_geneval | 0.3300 | 0.7800 | +0.4500 |" in card  # the table stays the trained settings'
+
+
+def test_an_image_to_video_cards_snippet_samples_from_a_conditioning_image(tmp_path, monkeypatch):
+    """The snippet of an image-to-video export loads the base as the image-to-video pipeline (Wan
+    2.2 TI2V's own folder is a WanPipeline), loads an image and passes it as ``image=``: run as a
+    user would run it (the image file it names put in place), it samples the export. A text-only
+    card imports no image loader."""
+    import PIL.Image
+    import torch
+
+    from genrl.model_card import write_run_card
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline, save_tiny_pipeline
+
+    base = save_tiny_pipeline("wan2.2", tmp_path / "base")  # TI2V-5B's folder: a WanPipeline
+    export = tmp_path / "export"
+    trained = build_tiny_pipeline("wan2.2", seed=1).transformer
+    trained.save_pretrained(export / "transformer")
+    args = {"num_inference_steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "num_frames": 5}
+    config = {"base_model": base, "reward_fn": "r", "args": args, "launch_command": "x", "family": "wan"}
+    card = ModelCard.load(write_run_card(str(export), str(tmp_path / "none.jsonl"), config, is_video=True,
+                                         image_pipeline="WanImageToVideoPipeline", last_eval={}, sample_images=[]))
+    assert card.data.pipeline_tag == "image-to-video"
+    snippet = card.text.split("```python\n")[1].split("```")[0]
+    assert "pipe = WanImageToVideoPipeline.from_pretrained(" in snippet
+    assert "video = pipe(image=input_image, prompt=" in snippet
+    monkeypatch.chdir(tmp_path)
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 40, 3), dtype=np.uint8)).save("first_frame.png")
+    scope = {}
+    exec(compile(snippet, "card-snippet", "exec"), scope)
+    assert type(scope["pipe"]).__name__ == "WanImageToVideoPipeline"
+    assert torch.equal(scope["pipe"].transformer.state_dict()["proj_out.weight"], trained.state_dict()["proj_out.weight"])
+    assert np.asarray(scope["video"]).shape == (5, 64, 64, 3)
+
+    text_only = ModelCard.load(write_run_card(str(export), str(tmp_path / "none.jsonl"), config, is_video=True,
+                                              last_eval={}, sample_images=[]))
+    assert text_only.data.pipeline_tag == "text-to-video" and "load_image" not in text_only.text
+    assert "pipe = DiffusionPipeline.from_pretrained(" in text_only.text
+    assert 'video = pipe("a cat walking in the snow", **settings).frames[0]' in text_only.text
