@@ -23,6 +23,7 @@ from genrl.policies import (
     load_policy,
     policy_for_pipeline,
 )
+from genrl.prompt_images import image_digest
 from genrl.rollout import SamplingConfig, sample_rollout
 from genrl.seeding import latent_generator
 from genrl.testing.tiny_pipelines import (
@@ -376,7 +377,8 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
                                images=[_image(1)] * 2)
         assert (other.samples - rollout.samples).abs().max() > 0.01, "the image must condition the samples"
 
-    generators = [latent_generator(p, 7, 0, 0, True) for p in prompts]
+    image_id = image_digest(images[0]) if images is not None else None  # a record's seeds include its image
+    generators = [latent_generator(p, 7, 0, 0, True, image_id) for p in prompts]
     latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
     kwargs = dict(
         prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=guidance_scale,
