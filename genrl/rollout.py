@@ -230,8 +230,8 @@ def sample_rollout(
         )
     batch = len(prompts)
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
-    embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
-    embeds.update(policy.encode_images(images, height, width, num_frames, device))
+    embeds = policy.encode_conditioning(prompts, images, height, width, num_frames, device, config.guidance_scale,
+                                        config.negative_prompt)
 
     image_ids = image_digests(images) if images is not None else None
     sample_ids = list(zip(prompts, group_indices, image_ids or [None] * batch))
