@@ -185,27 +185,33 @@ def pipeline_tag_for(is_video: bool, image_conditioned: bool) -> str:
     return f"{'image' if image_conditioned else 'text'}-to-{'video' if is_video else 'image'}"
 
 
-def sampling_settings(args: dict, is_video: bool) -> dict:
+def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guidance_scale") -> dict:
     """The keyword arguments of a diffusers pipeline call that samples as the run's evaluation
     did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
-    guidance, size, frames and text length where the run set them, the negative prompt where
-    guidance uses it."""
+    guidance (under the pipeline's ``guidance_keyword``), size, frames and text length where the
+    run set them, the negative prompt where guidance uses it. A ``true_cfg_scale`` pipeline
+    (Qwen-Image) guides only when given a negative prompt: there it is passed even empty."""
     guidance = args.get("eval_guidance_scale")
     guidance = args.get("guidance_scale") if guidance is None else guidance
+    guided = guidance is not None and guidance > 1
     settings = {
         "num_inference_steps": args.get("eval_num_inference_steps") or args.get("num_inference_steps"),
-        "guidance_scale": guidance,
+        guidance_keyword: guidance,
         "height": args.get("height"),
         "width": args.get("width"),
         "num_frames": args.get("num_frames") if is_video else None,
         "max_sequence_length": args.get("max_sequence_length"),
-        "negative_prompt": args.get("negative_prompt") if guidance is not None and guidance > 1 else None,
     }
-    return {k: v for k, v in settings.items() if v not in (None, "")}
+    settings = {k: v for k, v in settings.items() if v not in (None, "")}
+    negative = args.get("negative_prompt") or ""
+    if guided and (negative or guidance_keyword == "true_cfg_scale"):
+        settings["negative_prompt"] = negative
+    return settings
 
 
 def _settings_text(settings: dict) -> str:
-    text = f"{settings['num_inference_steps']} steps at guidance {settings['guidance_scale']:g}"
+    guidance = settings.get("guidance_scale", settings.get("true_cfg_scale"))
+    text = f"{settings['num_inference_steps']} steps at guidance {guidance:g}"
     if "height" in settings and "width" in settings:
         text += f", {settings['height']}x{settings['width']}"
     if "num_frames" in settings:
@@ -428,6 +434,7 @@ def write_run_card(
     *,
     is_video: bool,
     image_pipeline: str | None = None,
+    guidance_keyword: str = "guidance_scale",
     last_eval: dict | None,
     sample_images: Sequence[str],
     repo_id: str | None = None,
@@ -439,8 +446,8 @@ def write_run_card(
     ``eval/*`` values of the last evaluation, when the log holds none), with the base's and the
     final score at the pipeline's defaults where it logged them (``--eval_pipeline_defaults``),
     and the reward watch's ``watch_alarms``. An image-conditioned model names the pipeline class it
-    samples with (``image_pipeline``), which its snippet loads and passes a conditioning image to.
-    Returns its path."""
+    samples with (``image_pipeline``), which its snippet loads and passes a conditioning image to;
+    the snippet's guidance goes in as the pipeline's ``guidance_keyword``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
     defaults = first_and_last_eval(metrics_path, PIPELINE_DEFAULTS + "/")
     args = record["args"]
@@ -448,7 +455,7 @@ def write_run_card(
         metrics=evals[-1][1] if evals else last_eval or None,
         baseline=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
         steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-        settings=sampling_settings(args, is_video),
+        settings=sampling_settings(args, is_video, guidance_keyword),
         watch_alarms=watch_alarms,
         diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
         if len(evals) > 1 else "",

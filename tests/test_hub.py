@@ -331,3 +331,34 @@ def test_an_image_to_video_cards_snippet_samples_from_a_conditioning_image(tmp_p
     assert text_only.data.pipeline_tag == "text-to-video" and "load_image" not in text_only.text
     assert "pipe = DiffusionPipeline.from_pretrained(" in text_only.text
     assert 'video = pipe("a cat walking in the snow", **settings).frames[0]' in text_only.text
+
+
+def test_a_true_cfg_pipelines_card_guides_as_its_evaluation_did(tmp_path):
+    """Qwen-Image's pipeline guides with ``true_cfg_scale``, and only when given a negative prompt
+    (its ``guidance_scale`` is a guidance-distilled model's input, ignored): the card's settings
+    name the scale so and pass the run's negative prompt even empty, and called with them the
+    pipeline runs the unconditional branch at every step; unguided, neither."""
+    import torch
+
+    from genrl.model_card import sampling_settings, write_run_card
+    from genrl.policies import QwenImagePolicy
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline
+
+    args = {"num_inference_steps": 2, "guidance_scale": 4.0, "negative_prompt": "", "height": 32, "width": 32}
+    settings = sampling_settings(args, False, QwenImagePolicy.guidance_keyword)
+    assert settings == {"num_inference_steps": 2, "true_cfg_scale": 4.0, "height": 32, "width": 32, "negative_prompt": ""}
+    assert sampling_settings({**args, "guidance_scale": 1.0}, False, "true_cfg_scale").keys() == {
+        "num_inference_steps", "true_cfg_scale", "height", "width"}
+    assert "negative_prompt" not in sampling_settings(args, False)  # a guidance_scale pipeline guides without one
+
+    pipeline = build_tiny_pipeline("qwenimage")
+    forwards = []
+    pipeline.transformer.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    pipeline("a red circle", output_type="pt", **settings)
+    assert len(forwards) == 2 * 2  # the conditional and the unconditional branch at each step
+    (tmp_path / "transformer").mkdir()
+    config = {"base_model": "Qwen/Qwen-Image", "reward_fn": "r", "args": args, "launch_command": "x", "family": "qwenimage"}
+    card = ModelCard.load(write_run_card(str(tmp_path), str(tmp_path / "none.jsonl"), config, is_video=False,
+                                         guidance_keyword="true_cfg_scale", last_eval={}, sample_images=[])).text
+    assert f"settings = {json.dumps(settings)}" in card and "2 steps at guidance 4, 32x32" in card
+    assert json.loads((tmp_path / "sampling_config.json").read_text()) == settings

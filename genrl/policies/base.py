@@ -89,6 +89,7 @@ class FlowPolicy:
     uses_true_cfg: bool = True  # CFG as two forwards (cond, uncond); else guidance is an input
     image_conditioned: bool = False  # every prompt comes with a conditioning image (image-to-video)
     pipeline_text_tokens: int = 512  # T5/UMT5 tokens per prompt the family's pipeline encodes by default
+    guidance_keyword: str = "guidance_scale"  # the pipeline call's name for the scale genrl samples at
 
     def __init__(
         self,

@@ -32,6 +32,7 @@ class QwenImagePolicy(FlowPolicy):
     uses_true_cfg = True
 
     pipeline_text_tokens = 1024  # QwenImagePipeline's max_sequence_length
+    guidance_keyword = "true_cfg_scale"  # its guidance_scale is a guidance-distilled model's input
 
     def text_tokenizer(self):
         return self.pipeline.tokenizer
