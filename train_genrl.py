@@ -323,7 +323,10 @@ def publish_export(run: Run) -> bool:
     images = sorted(glob.glob(os.path.join(args.output_dir, "samples", "eval-*.png")))[-1:]
     if os.path.exists(run.metrics_path):
         images.append(plot_training_curves(run.metrics_path, os.path.join(args.output_dir, "training_curves.png")))
-    write_run_card(args.output_dir, run.metrics_path, run.record, is_video=run.policy.is_video, last_eval=run.last_eval,
+    write_run_card(args.output_dir, run.metrics_path, run.record, is_video=run.policy.is_video,
+                   image_pipeline=type(run.policy.pipeline).__name__ if run.policy.image_conditioned else None,
+                   guidance_keyword=run.policy.guidance_keyword,
+                   last_eval=run.last_eval,
                    sample_images=images, repo_id=args.hub_model_id, watch_alarms=run.watch.alarms if run.watch.history else None)
     logger.info(f"Exported to {args.output_dir}")
     for push in run.checkpoint_pushes:

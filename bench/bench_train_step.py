@@ -178,7 +178,8 @@ def build_zero2_bf16_accelerator(micro_batch_size: int, max_grad_norm: float = 1
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     common.add_common_args(parser)
-    parser.add_argument("--families", type=str, default="wan,sd3,flux", help="Comma-separated: wan, sd3, flux.")
+    parser.add_argument("--families", type=str, default="wan,sd3,flux",
+                        help="Comma-separated, of wan, sd3, flux, zimage, flux2-klein, qwenimage, flux2.")
     parser.add_argument("--scale", choices=common.SCALE_NAMES, default=None, help="Transformer size (default small; tiny with --quick).")
     parser.add_argument("--batch_size", type=int, default=None, help="Samples per micro batch (default 4; 2 with --quick).")
     parser.add_argument("--num_inference_steps", type=int, default=None, help="Rollout steps (default 6; 3 with --quick).")

@@ -307,6 +307,12 @@ def memory_kind(device: str | torch.device) -> str:
 
 # ----- the models ---------------------------------------------------------------------------
 
+def _flux2_scale(double_blocks: int, single_blocks: int, heads: int) -> dict[str, Any]:
+    """A FLUX.2 transformer's sizes: its checkpoints' 128-wide heads, RoPE axes and timestep channels."""
+    return dict(num_layers=double_blocks, num_single_layers=single_blocks, attention_head_dim=128,
+                num_attention_heads=heads, timestep_guidance_channels=256, axes_dims_rope=(32, 32, 32, 32))
+
+
 # Transformer sizes on top of the tiny pipelines (genrl.testing.tiny_pipelines): the same components,
 # text encoders and VAEs, with a larger transformer of the same family. "tiny" keeps the
 # pipeline's own transformer (0.02-0.08 M parameters).
@@ -332,8 +338,32 @@ SCALES: dict[str, dict[str, dict[str, Any]]] = {
         "large": dict(num_layers=6, num_single_layers=12, attention_head_dim=64, num_attention_heads=12,
                       axes_dims_rope=(16, 24, 24)),
     },
+    # The newer families keep their checkpoints' head width (128) and block layout, with 2, 4 and
+    # 6 heads (width 256, 512, 768); "large" has the real checkpoint's depth.
+    "zimage": {  # Z-Image: 30 layers behind 2 noise and 2 caption refiner layers, RoPE axes 32 / 48 / 48
+        "small": dict(dim=256, n_heads=2, n_kv_heads=2, n_layers=4, n_refiner_layers=1, axes_dims=[32, 48, 48]),
+        "mid": dict(dim=512, n_heads=4, n_kv_heads=4, n_layers=8, n_refiner_layers=2, axes_dims=[32, 48, 48]),
+        "large": dict(dim=768, n_heads=6, n_kv_heads=6, n_layers=30, n_refiner_layers=2, axes_dims=[32, 48, 48]),
+    },
+    # FLUX.2 [klein] 9B: 8 double- and 24 single-stream blocks; FLUX.2 [dev]: 8 and 48.
+    "flux2-klein": {"small": _flux2_scale(1, 3, 2), "mid": _flux2_scale(2, 6, 4), "large": _flux2_scale(8, 24, 6)},
+    "flux2": {"small": _flux2_scale(1, 6, 2), "mid": _flux2_scale(2, 12, 4), "large": _flux2_scale(8, 48, 6)},
+    "qwenimage": {  # Qwen-Image: 60 dual-stream blocks, RoPE axes 16 / 56 / 56
+        "small": dict(num_layers=4, attention_head_dim=128, num_attention_heads=2, axes_dims_rope=(16, 56, 56)),
+        "mid": dict(num_layers=15, attention_head_dim=128, num_attention_heads=4, axes_dims_rope=(16, 56, 56)),
+        "large": dict(num_layers=60, attention_head_dim=128, num_attention_heads=6, axes_dims_rope=(16, 56, 56)),
+    },
 }
-SCALE_NAMES = ("tiny", "small", "mid", "large")  # large: 156 M (wan), 335 M (sd3), 237 M (flux) parameters
+# large: 156 M (wan), 335 M (sd3), 237 M (flux), 267 M (zimage), 318 M (flux2-klein), 502 M (flux2),
+# 1.28 B (qwenimage) parameters
+SCALE_NAMES = ("tiny", "small", "mid", "large")
+
+
+def bench_transformer_config(family: str, scale: str, tiny: dict) -> dict[str, Any]:
+    """``tiny`` (the config of the tiny ``family`` pipeline's transformer) with its sizes replaced
+    by ``SCALES[family][scale]`` (``tiny``: unchanged)."""
+    config = {k: v for k, v in tiny.items() if not k.startswith("_")}
+    return config if scale == "tiny" else {**config, **SCALES[family][scale]}
 
 
 def build_bench_policy(family: str, scale: str = "tiny", seed: int = 0):
@@ -349,8 +379,7 @@ def build_bench_policy(family: str, scale: str = "tiny", seed: int = 0):
     pipeline = build_tiny_pipeline(family, seed=seed)
     if scale != "tiny":
         tiny = pipeline.transformer
-        config = {k: v for k, v in tiny.config.items() if not k.startswith("_")}
-        config.update(SCALES[family][scale])
+        config = bench_transformer_config(family, scale, tiny.config)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             transformer = type(tiny).from_config(config)

@@ -218,10 +218,11 @@ SLOW_FIXTURES = {"runs"}  # test_bench: every benchmark's --quick run
 # these modules and these slow tests. Each repeats, on another model family, server or launcher, a
 # path the default lane already runs end to end: the benchmarks' quick runs, the README's runnable
 # commands, the reward service and the VLM judge's server, two "nodes", the two-expert Wan, a run
-# that hacks its reward.
+# that hacks its reward, Qwen-Image-Edit's sampling at its pipeline's 1024 x 1024 conditioning.
 EXTENDED_MODULES = {"test_bench", "test_readme", "test_reward_service", "test_vlm_judge", "test_multi_node",
                     "test_wan_experts", "test_wan_i2v", "test_image_families", "test_hunyuanvideo15"}
-EXTENDED_TESTS = {"test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving"}
+EXTENDED_TESTS = {"test_a_run_that_hacks_its_reward_raises_the_alarm_and_stops_before_saving",
+                  "test_qwenimage_edit_samples_as_its_pipeline"}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -508,3 +508,48 @@ def test_flow_grpo_side_by_side_names_a_folder_without_the_script(tmp_path, caps
     with pytest.raises(SystemExit):
         bench_flow_grpo_epoch.parse_args(["--flow_grpo_dir", str(tmp_path)])
     assert "holds no scripts/train_sd3.py" in capsys.readouterr().err
+
+
+BENCH_FAMILIES = ["wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2"]
+
+
+def _scaled_transformers(family: str):
+    """The tiny ``family`` policy and its transformer at every scale, built on the meta device
+    (shapes, no weights)."""
+    from genrl.testing.tiny_pipelines import FAMILIES, build_tiny_policy
+
+    import common
+
+    assert family in FAMILIES
+    policy = build_tiny_policy(family)
+    tiny = policy.transformer
+    scaled = {}
+    for scale in common.SCALE_NAMES:
+        with torch.device("meta"):
+            scaled[scale] = type(tiny).from_config(common.bench_transformer_config(family, scale, tiny.config))
+    return policy, scaled
+
+
+@pytest.mark.parametrize("family", BENCH_FAMILIES)
+def test_every_family_has_every_scale(family):
+    """``--scale`` for every family: its transformer's config at each scale builds, each larger
+    than the one before."""
+    _, scaled = _scaled_transformers(family)
+    sizes = [sum(p.numel() for p in transformer.parameters()) for transformer in scaled.values()]
+    assert sizes == sorted(set(sizes)), sizes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", BENCH_FAMILIES)
+def test_every_scale_fits_its_policy(family):
+    """A forward and backward through the family's policy at the tiny sampling size, on the meta
+    device, at each scale: its sizes fit together (heads, RoPE axes, widths) and each scale
+    costs more than the one before."""
+    from genrl.training.rollout import SamplingConfig
+    from genrl.training.throughput import count_transformer_flops
+
+    policy, scaled = _scaled_transformers(family)
+    config = SamplingConfig(num_inference_steps=1, guidance_scale=1.0)
+    costs = [count_transformer_flops(policy, transformer, config, "a red circle", "cpu").train
+             for transformer in scaled.values()]
+    assert costs == sorted(set(costs)), costs

@@ -293,3 +293,72 @@ def test_run_card_states_first_what_the_export_scores_at_the_pipeline_defaults(t
     assert " ".join(first_lines.split()).count(sentence) == 1, first_lines
     assert "it was not evaluated and" not in first_lines  # the unmeasured wording gives way to the figure
     assert "| toy_geneval | 0.3300 | 0.7800 | +0.4500 |" in card  # the table stays the trained settings'
+
+
+def test_an_image_to_video_cards_snippet_samples_from_a_conditioning_image(tmp_path, monkeypatch):
+    """The snippet of an image-to-video export loads the base as the image-to-video pipeline (Wan
+    2.2 TI2V's own folder is a WanPipeline), loads an image and passes it as ``image=``: run as a
+    user would run it (the image file it names put in place), it samples the export. A text-only
+    card imports no image loader."""
+    import PIL.Image
+    import torch
+
+    from genrl.hub.model_card import write_run_card
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline, save_tiny_pipeline
+
+    base = save_tiny_pipeline("wan2.2", tmp_path / "base")  # TI2V-5B's folder: a WanPipeline
+    export = tmp_path / "export"
+    trained = build_tiny_pipeline("wan2.2", seed=1).transformer
+    trained.save_pretrained(export / "transformer")
+    args = {"num_inference_steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "num_frames": 5}
+    config = {"base_model": base, "reward_fn": "r", "args": args, "launch_command": "x", "family": "wan"}
+    card = ModelCard.load(write_run_card(str(export), str(tmp_path / "none.jsonl"), config, is_video=True,
+                                         image_pipeline="WanImageToVideoPipeline", last_eval={}, sample_images=[]))
+    assert card.data.pipeline_tag == "image-to-video"
+    snippet = card.text.split("```python\n")[1].split("```")[0]
+    assert "pipe = WanImageToVideoPipeline.from_pretrained(" in snippet
+    assert "video = pipe(image=input_image, prompt=" in snippet
+    monkeypatch.chdir(tmp_path)
+    PIL.Image.fromarray(np.random.default_rng(0).integers(0, 255, (24, 40, 3), dtype=np.uint8)).save("first_frame.png")
+    scope = {}
+    exec(compile(snippet, "card-snippet", "exec"), scope)
+    assert type(scope["pipe"]).__name__ == "WanImageToVideoPipeline"
+    assert torch.equal(scope["pipe"].transformer.state_dict()["proj_out.weight"], trained.state_dict()["proj_out.weight"])
+    assert np.asarray(scope["video"]).shape == (5, 64, 64, 3)
+
+    text_only = ModelCard.load(write_run_card(str(export), str(tmp_path / "none.jsonl"), config, is_video=True,
+                                              last_eval={}, sample_images=[]))
+    assert text_only.data.pipeline_tag == "text-to-video" and "load_image" not in text_only.text
+    assert "pipe = DiffusionPipeline.from_pretrained(" in text_only.text
+    assert 'video = pipe("a cat walking in the snow", **settings).frames[0]' in text_only.text
+
+
+def test_a_true_cfg_pipelines_card_guides_as_its_evaluation_did(tmp_path):
+    """Qwen-Image's pipeline guides with ``true_cfg_scale``, and only when given a negative prompt
+    (its ``guidance_scale`` is a guidance-distilled model's input, ignored): the card's settings
+    name the scale so and pass the run's negative prompt even empty, and called with them the
+    pipeline runs the unconditional branch at every step; unguided, neither."""
+    import torch
+
+    from genrl.hub.model_card import sampling_settings, write_run_card
+    from genrl.policies import QwenImagePolicy
+    from genrl.testing.tiny_pipelines import build_tiny_pipeline
+
+    args = {"num_inference_steps": 2, "guidance_scale": 4.0, "negative_prompt": "", "height": 32, "width": 32}
+    settings = sampling_settings(args, False, QwenImagePolicy.guidance_keyword)
+    assert settings == {"num_inference_steps": 2, "true_cfg_scale": 4.0, "height": 32, "width": 32, "negative_prompt": ""}
+    assert sampling_settings({**args, "guidance_scale": 1.0}, False, "true_cfg_scale").keys() == {
+        "num_inference_steps", "true_cfg_scale", "height", "width"}
+    assert "negative_prompt" not in sampling_settings(args, False)  # a guidance_scale pipeline guides without one
+
+    pipeline = build_tiny_pipeline("qwenimage")
+    forwards = []
+    pipeline.transformer.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
+    pipeline("a red circle", output_type="pt", **settings)
+    assert len(forwards) == 2 * 2  # the conditional and the unconditional branch at each step
+    (tmp_path / "transformer").mkdir()
+    config = {"base_model": "Qwen/Qwen-Image", "reward_fn": "r", "args": args, "launch_command": "x", "family": "qwenimage"}
+    card = ModelCard.load(write_run_card(str(tmp_path), str(tmp_path / "none.jsonl"), config, is_video=False,
+                                         guidance_keyword="true_cfg_scale", last_eval={}, sample_images=[])).text
+    assert f"settings = {json.dumps(settings)}" in card and "2 steps at guidance 4, 32x32" in card
+    assert json.loads((tmp_path / "sampling_config.json").read_text()) == settings

@@ -1,4 +1,5 @@
-"""The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein] and [dev], Qwen-Image) through the real scripts: two processes
+"""The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein] and [dev], Qwen-Image, Qwen-Image-Edit from prompts
+with images) through the real scripts: two processes
 under the shipped ZeRO-2 config train one objective each (LoRA or every weight), the export loads
 as diffusers loads it, and eval_genrl.py on the export gives the training's last evaluation.
 (Sampling parity with the pipelines, log-prob recomputation and the other objectives' losses
@@ -10,8 +11,9 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_wan_i2v import write_image, write_records
 
-from conftest import run_script
+from conftest import PROMPTS, run_script
 from test_train_objectives import objective_args, train_lines
 
 pytestmark = pytest.mark.slow
@@ -24,13 +26,25 @@ def last_eval(output_dir: str) -> float:
     return [l for l in lines if f"eval/{REWARD}_mean" in l][-1][f"eval/{REWARD}_mean"]
 
 
+@pytest.fixture(scope="module")
+def edit_prompts(tmp_path_factory) -> str:
+    """The prompts, each with its own square image to edit in ``images/`` beside the file."""
+    root = tmp_path_factory.mktemp("edit-prompts")
+    (root / "images").mkdir()
+    records = [{"prompt": p, "image": write_image(root / "images" / f"{i}.png", seed=i, height=40, width=40)}
+               for i, p in enumerate(PROMPTS)]
+    return write_records(root / "prompts.jsonl", records)
+
+
 @pytest.mark.parametrize("family, objective, use_lora", [
     ("zimage", "nft", True),
     ("flux2-klein", "grpo", False),
     ("qwenimage", "awm", True),
     ("flux2", "nft", False),
+    ("qwenimage-edit", "grpo", True),
 ])
-def test_two_processes_train_export_and_evaluate_as_in_training(family, objective, use_lora, prompt_file, tmp_path):
+def test_two_processes_train_export_and_evaluate_as_in_training(family, objective, use_lora, prompt_file, edit_prompts,
+                                                                tmp_path):
     import diffusers
 
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
@@ -38,7 +52,8 @@ def test_two_processes_train_export_and_evaluate_as_in_training(family, objectiv
     model = save_tiny_pipeline(family, tmp_path / f"tiny-{family}")
     out = str(tmp_path / "out")
     extra = ["--use_lora", "--rank", "4", "--lora_alpha", "8"] if use_lora else []
-    args = objective_args(model, prompt_file, out, objective, *extra)
+    editing = family.startswith("qwenimage-edit")
+    args = objective_args(model, edit_prompts if editing else prompt_file, out, objective, *extra)
     if objective == "grpo":  # GRPO trains the recorded SDE steps
         args[args.index("--noise_level") + 1] = "0.7"
     run_script("train_genrl.py", args, config="zero2", num_processes=2)
@@ -47,8 +62,9 @@ def test_two_processes_train_export_and_evaluate_as_in_training(family, objectiv
     assert all(torch.isfinite(torch.tensor(l["train/policy_loss"])) for l in lines)
     assert json.load(open(os.path.join(out, "genrl_config.json")))["family"] == family
 
-    # The export as a user loads it, with diffusers alone.
-    pipeline = diffusers.DiffusionPipeline.from_pretrained(model)
+    # The export as a user loads it, with diffusers alone (Qwen-Image-Edit's processor, unused here, needs torchvision).
+    components = {"processor": None} if editing else {}
+    pipeline = diffusers.DiffusionPipeline.from_pretrained(model, **components)
     base = {k: v.clone() for k, v in pipeline.transformer.state_dict().items()}
     if use_lora:
         pipeline.load_lora_weights(out, weight_name="pytorch_lora_weights.safetensors")
@@ -57,7 +73,7 @@ def test_two_processes_train_export_and_evaluate_as_in_training(family, objectiv
         assert load_file(os.path.join(out, "pytorch_lora_weights.safetensors"))
     else:
         transformer = type(pipeline.transformer).from_pretrained(out, subfolder="transformer")
-        pipeline = type(pipeline).from_pretrained(model, transformer=transformer)
+        pipeline = type(pipeline).from_pretrained(model, transformer=transformer, **components)
     trained = pipeline.transformer.state_dict()
     assert any(not torch.equal(trained[k], base[k]) for k in base), "the export changed no weight"
 

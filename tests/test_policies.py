@@ -15,6 +15,7 @@ from diffusers import (
     UniPCMultistepScheduler,
 )
 
+from genrl.data.prompt_images import image_digest
 from genrl.data.seeding import latent_generator
 from genrl.errors import SetupError
 from genrl.policies import (
@@ -23,6 +24,7 @@ from genrl.policies import (
     Flux2Policy,
     FluxPolicy,
     HunyuanVideo15Policy,
+    QwenImageEditPolicy,
     QwenImagePolicy,
     SD3Policy,
     WanImageToVideoPolicy,
@@ -389,7 +391,8 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
                                images=[_image(1)] * 2)
         assert (other.samples - rollout.samples).abs().max() > 0.01, "the image must condition the samples"
 
-    generators = [latent_generator(p, 7, 0, 0, True) for p in prompts]
+    image_id = image_digest(images[0]) if images is not None else None  # a record's seeds include its image
+    generators = [latent_generator(p, 7, 0, 0, True, image_id) for p in prompts]
     latents = policy.prepare_latents(generators, height, width, num_frames, "cpu")
     kwargs = dict(
         prompt=prompts, height=height, width=width, num_inference_steps=4, guidance_scale=guidance_scale,
@@ -462,6 +465,78 @@ def test_wan22_ti2v_loads_as_wan_with_its_16x_patchified_latents(policies):
     torch.testing.assert_close(timesteps[0], torch.tensor([[900.0] * 8, [100.0] * 8]))
     assert v.shape == latents.shape
     torch.testing.assert_close(v[:1], v0, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow  # the pipelines VAE-encode the image at 1024 x 1024 pixels: seconds for the tiny VAE on a CPU
+@pytest.mark.parametrize("family, guidance_scale", [("qwenimage-edit", 4.0), ("qwenimage-edit", 1.0),
+                                                    ("qwenimage-edit-plus", 4.0)])
+def test_qwenimage_edit_samples_as_its_pipeline(family, guidance_scale, policies):
+    """At its pipeline's conditioning size, from an image of the sampled aspect ratio, noise level 0
+    samples as the pipeline does (true CFG with a negative prompt above 1): the image read by
+    Qwen2.5-VL with each prompt (Edit Plus: a smaller one, after "Picture 1: "), its VAE latents
+    after the noise's in the image stream (Edit-2511: at timestep 0). One prompt a call: Edit Plus
+    takes no more."""
+    loaded = policies[family]
+    policy = type(loaded)(loaded.pipeline, default_height=32, default_width=32)  # the pipeline's conditioning size
+    assert policy.condition_sizes(32, 32)[1] == (1024, 1024)
+    prompts, image = ["a red circle above a blue square", "three green triangles"], _image(0, 40, 40)
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
+    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
+                             images=[image] * 2)
+    latents = policy.prepare_latents([latent_generator(p, 7, 0, 0, True, image_digest(image)) for p in prompts], 32, 32, 1,
+                                     "cpu")
+    pack = type(policy.pipeline)._pack_latents
+    finals, outputs = [], []
+    for i, prompt in enumerate(prompts):
+        outputs.append(policy.pipeline(
+            image=image, prompt=prompt, height=32, width=32, num_inference_steps=4, true_cfg_scale=guidance_scale,
+            negative_prompt="dark" if guidance_scale > 1 else None, latents=pack(latents[i:i + 1], 1, 4, 4, 4),
+            output_type="pt", callback_on_step_end_tensor_inputs=["latents"],
+            callback_on_step_end=lambda pipe, step, t, values: finals.append(values["latents"]) or {},
+        ).images)
+    ours = rollout.final_latents
+    # The tiny VAE decodes almost any latents alike: the loop is compared before it too.
+    torch.testing.assert_close(pack(ours, *ours.shape), torch.cat(finals[3::4]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(rollout.samples, torch.cat(outputs).unsqueeze(2), rtol=0, atol=1e-4)
+
+
+def test_qwenimage_edit_reads_each_prompt_with_its_image(tiny_dirs, policies, monkeypatch):
+    """Qwen-Image-Edit's folder loads here, without torchvision (its processor's video half needs
+    it), with the processor of its image and text halves. A batch's conditioning is batch-first:
+    one text encoding per distinct (prompt, image) pair and one per distinct image for the negative
+    prompt, one VAE encoding per distinct image; each row is its own pair's, a sample's velocity
+    does not depend on the others, and the image moves it."""
+    assert json.load(open(f"{tiny_dirs['qwenimage-edit']}/model_index.json"))["processor"] == ["transformers",
+                                                                                                "Qwen2VLProcessor"]
+    policy = policies["qwenimage-edit"]
+    assert type(policy) is QwenImageEditPolicy and type(policy.pipeline.processor).__name__ == "ImageTextQwen2VLProcessor"
+    assert policy.condition_sizes(32, 64) == ((32, 96), (32, 96))  # 64 x 64 pixels at the samples' aspect ratio
+    texts, vae_calls = [], []
+    encode_prompt, encode_vae = policy.pipeline.encode_prompt, policy.pipeline._encode_vae_image
+    monkeypatch.setattr(policy.pipeline, "encode_prompt", lambda **kw: texts.append(kw["prompt"]) or encode_prompt(**kw))
+    monkeypatch.setattr(policy.pipeline, "_encode_vae_image", lambda x, **kw: vae_calls.append(x.shape) or encode_vae(x, **kw))
+    a, b = _image(0, 40, 40), _image(1, 40, 40)
+    prompts = ["a cat", "a cat", "two red dogs"]
+    embeds = policy.encode_conditioning(prompts, [a, b, a], 32, 32, 1, "cpu", 3.0, "dark")
+    assert texts == [["a cat"], ["a cat"], ["two red dogs"], ["dark"], ["dark"]]
+    assert vae_calls == [(1, 3, 1, 64, 64)] * 2
+    vision_tokens = 4  # the 64 x 64 image read at 56 x 56 pixels: 4 x 4 patches of 14, merged 2 x 2
+    assert embeds["prompt_embeds"].shape == (3, policy.max_sequence_length + vision_tokens, 32)
+    assert embeds["image_latents"].shape == (3, 16, 16)  # 8 x 8 latents packed 2 x 2
+    for key in ("prompt_embeds", "negative_prompt_embeds", "image_latents"):
+        assert not torch.equal(embeds[key][0], embeds[key][1])  # another image: another reading
+    assert not torch.equal(embeds["prompt_embeds"][0], embeds["prompt_embeds"][2])
+    assert torch.equal(embeds["negative_prompt_embeds"][0], embeds["negative_prompt_embeds"][2])
+    latents = policy.prepare_latents(_generators(3), 32, 32, 1, "cpu")
+    latents[1] = latents[0]
+    t = torch.tensor([900.0, 900.0, 500.0])
+    with torch.no_grad():
+        v = policy.predict_velocity(policy.transformer, latents, t, embeds, 3.0)
+        v2 = policy.predict_velocity(policy.transformer, latents[2:], t[2:], {k: e[2:] for k, e in embeds.items()}, 3.0)
+    torch.testing.assert_close(v[2:], v2, rtol=0, atol=1e-5)
+    assert (v[0] - v[1]).abs().max() > 1e-3, "the image must move the velocity"
+    with pytest.raises(ValueError, match="edits an image: give one image per prompt"):
+        policy.encode_conditioning(prompts, None, 32, 32, 1, "cpu", 3.0)
 
 
 def test_image_to_video_encodes_each_distinct_image_once_into_its_own_rows(tiny_dirs, policies, monkeypatch):

@@ -59,6 +59,8 @@ JOINT_ATTENTION = r"\.attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_
     ("flux2_klein_grpo.yaml", "flux2-klein",
      JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
     ("qwenimage_grpo.yaml", "qwenimage", JOINT_ATTENTION[:-1] + r"|\.(img_mlp|txt_mlp)\.net\.0\.proj$", 64),
+    # Flow-Factory's Qwen-Image-Edit list: both projections of the feed-forwards.
+    ("qwenimage_edit_grpo.yaml", "qwenimage-edit-plus", JOINT_ATTENTION[:-1] + r"|\.(img_mlp|txt_mlp)\.net\.(0\.proj|2)$", 64),
     ("flux2_dev_grpo.yaml", "flux2",
      JOINT_ATTENTION[:-1] + r"|\.(ff|ff_context)\.(linear_in|linear_out)$|single_transformer_blocks\.\d+\.attn\.to_qkv_mlp_proj$", 64),
     # HunyuanVideo 1.5: both streams' attention projections (the text refiner's self-attention too).
@@ -108,6 +110,7 @@ def test_image_recipes_lay_out_their_papers_epoch_on_8_gpus(name, groups, steps,
     ("zimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),  # Flow-Factory: 48 unique prompts, 2 steps an epoch
     ("flux2_klein_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
     ("qwenimage_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
+    ("qwenimage_edit_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
     ("flux2_dev_grpo.yaml", 16, 48, 2, (1, [1, 4]), "group"),
 ])
 def test_flow_factory_recipes_lay_out_its_epoch_on_8_gpus(name, group_size, groups, steps, window, std_mode):
@@ -183,3 +186,23 @@ def test_the_hunyuanvideo15_recipe_lays_out_dancegrpos_epoch_on_8_gpus():
     assert args.sde_window_size == 0 and train_args.num_trained_timesteps(args) == 9
     assert build_tiny_policy("hunyuanvideo15").latent_shape(args.height, args.width, args.num_frames)[1:] == (14, 30, 30)
     assert args.reward_fn == "videoalign_vq:1.0" and args.objective == "grpo" and args.guidance_scale == 6.0
+def test_the_qwenimage_edit_recipe_sizes_its_shipped_images_as_the_pipeline_does():
+    """At the recipe's sampled aspect ratio the images of its prompt set are read and VAE-encoded
+    at the sizes QwenImageEditPlusPipeline gives them from their own aspect ratio."""
+    import PIL.Image
+    from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import (
+        CONDITION_IMAGE_SIZE,
+        VAE_IMAGE_SIZE,
+        calculate_dimensions,
+    )
+
+    from genrl.data.prompts import load_prompts
+    from genrl.policies.qwenimage_edit import condition_size
+
+    args = train_args.parse_args(recipe_words(os.path.join(ROOT, "recipes", "qwenimage_edit_grpo.yaml")))
+    images = load_prompts(os.path.join(ROOT, args.prompt_dataset), image_column=args.image_column).images
+    assert len(images) == 8
+    for path in images:
+        width, height = PIL.Image.open(path).size
+        for area in (CONDITION_IMAGE_SIZE, VAE_IMAGE_SIZE):
+            assert condition_size(area, args.height, args.width) == calculate_dimensions(area, width / height)[::-1]

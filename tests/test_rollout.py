@@ -252,10 +252,12 @@ def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(exper
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("family, guidance_scale", [("wan2.1-i2v", 3.0), ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b", 3.0)])
-def test_image_to_video_recomputes_its_log_probs_and_keeps_its_image_in_frame_0(family, guidance_scale):
+@pytest.mark.parametrize("family, guidance_scale", [("wan2.1-i2v", 3.0), ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b", 3.0),
+                                                    ("qwenimage-edit", 4.0), ("qwenimage-edit-plus", 1.0)])
+def test_image_conditioned_families_recompute_their_log_probs(family, guidance_scale):
     """The image conditioning travels with the prompt embeddings: the recorded transitions of two
-    prompt groups, each with its own image, re-scored in one batch give the recorded log-probs.
+    prompt groups, each with its own image, re-scored in one batch give the recorded log-probs
+    (Qwen-Image-Edit: the prompts read with their images, the images' latents beside the noise's).
     Wan 2.2 TI2V: the first latent frame ends as the image's latents, and the velocity there is 0
     (no weight changes that frame's share of a log-prob)."""
     policy = build_tiny_policy(family).to("cpu")
@@ -266,7 +268,7 @@ def test_image_to_video_recomputes_its_log_probs_and_keeps_its_image_in_frame_0(
     assert all(v.shape[0] == 3 for v in rollout.embeds.values())
     out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
-    if policy.first_frame_conditioned:
+    if getattr(policy, "first_frame_conditioned", False):
         assert torch.equal(rollout.final_latents[:, :, :1], rollout.embeds["condition"])
         with torch.no_grad():
             v = policy.predict_velocity(policy.transformer, rollout.latents[:, 0], rollout.timesteps[:, 0], rollout.embeds,

@@ -1,5 +1,6 @@
-"""A sample's trajectory depends only on (seed, epoch, prompt, index in group): across processes
-with different hash salts, across batch layouts, and shared/distinct within a group as designed."""
+"""A sample's trajectory depends only on (seed, epoch, prompt, conditioning image, index in group):
+across processes with different hash salts, across batch layouts, and shared/distinct within a
+group as designed; a text-only record's seeds are those of its prompt alone, as they always were."""
 
 import hashlib
 import json
@@ -8,12 +9,16 @@ import subprocess
 import sys
 import textwrap
 
+import numpy as np
+import PIL.Image
 import pytest
 import torch
 
-from genrl.data.seeding import latent_generator, prompt_seed
+from genrl.data.prompt_images import image_digest
+from genrl.data.seeding import forward_generator, latent_generator, noise_generator, prompt_seed, window_generator
+from genrl.objectives.forward import draw_forward_batch
 from genrl.testing.tiny_pipelines import build_tiny_policy
-from genrl.training.rollout import SamplingConfig, concat_rollouts, sample_rollout
+from genrl.training.rollout import SamplingConfig, concat_rollouts, sample_rollout, stochastic_steps
 
 torch.set_num_threads(2)
 
@@ -25,13 +30,14 @@ PROMPTS = ["a red circle", "three green triangles", "a blue square left of a yel
 _CHILD = textwrap.dedent(
     """
     import hashlib, json, sys
+    from genrl.data.prompt_images import image_digest
     from genrl.data.seeding import latent_generator, prompt_seed, randn_per_sample
 
-    prompts, shape = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+    prompts, shape, image = json.loads(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
     generators = [latent_generator(p, 5, 3, k, False) for p in prompts for k in range(2)]
     latents = randn_per_sample(shape, generators, "cpu")
     print(json.dumps({
-        "seeds": [prompt_seed(p, 5, 3) for p in prompts],
+        "seeds": [prompt_seed(p, 5, 3) for p in prompts] + [prompt_seed(prompts[0], 5, 3, image_digest(image))],
         "hash": [hash(p) for p in prompts],
         "latents": hashlib.sha256(latents.numpy().tobytes()).hexdigest(),
     }))
@@ -39,14 +45,15 @@ _CHILD = textwrap.dedent(
 )
 
 
-def test_seeds_and_initial_latents_agree_across_processes(wan):
+def test_seeds_and_initial_latents_agree_across_processes(wan, tmp_path):
     shape = wan.latent_shape(32, 32, 5)
+    image = _write_image(tmp_path / "image.png", seed=0)
     procs = []
     for hash_seed in ("1", "2"):
         env = dict(os.environ, PYTHONHASHSEED=hash_seed, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
         procs.append(
             subprocess.Popen(
-                [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), json.dumps(list(shape))],
+                [sys.executable, "-c", _CHILD, json.dumps(PROMPTS), json.dumps(list(shape)), image],
                 env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             )
         )
@@ -57,7 +64,8 @@ def test_seeds_and_initial_latents_agree_across_processes(wan):
         results.append(json.loads(out.strip().splitlines()[-1]))
     a, b = results
     assert a["hash"] != b["hash"]  # the salts really differ, so hash() would have broken this
-    assert a["seeds"] == b["seeds"] == [prompt_seed(p, 5, 3) for p in PROMPTS]
+    assert a["seeds"] == b["seeds"] == [prompt_seed(p, 5, 3) for p in PROMPTS] + [
+        prompt_seed(PROMPTS[0], 5, 3, image_digest(image))]
     # ... and the policy in this process draws the very same initial latents.
     generators = [latent_generator(p, 5, 3, k, False) for p in PROMPTS for k in range(2)]
     here = wan.prepare_latents(generators, 32, 32, 5, "cpu")
@@ -116,3 +124,63 @@ def test_window_start_is_shared_within_a_group(flux):
     starts = _rollout(flux, prompts, indices, config).step_indices[:, 0].tolist()
     assert starts[0::2] == starts[1::2]
     assert len(set(starts)) > 1  # different prompts draw their own start (5 groups over 5 choices)
+
+
+# The seeds text-only records have always had (computed before images took part in seeding): a
+# text-only run's noise, windows and forward draws, hence its numbers, must not move.
+TEXT_ONLY = ["a red circle", "three green triangles", "", "ünïcode prompt"]
+TEXT_ONLY_SEEDS = {
+    "prompt": [6293127508864829687, 2586132948001425272, 7023640451583260583, 3479108959418992047,
+               6115196835357355050, 6205430444358759470, 4783822264319826509, 6882670397552699327],
+    "latent": [8005715327341434890, 7066772985275749651, 8005715327341434890, 1858062558366599070,
+               5792086831293972184, 1786335112758551200, 5792086831293972184, 2773687575588426142,
+               1891307920947132593, 11209530279936653, 1891307920947132593, 3429706932717783356,
+               334538522833867168, 8798410246632146211, 334538522833867168, 2843246326096339465],
+    "noise": [5882838234928986636, 7949617863732924556, 7736243050740583499, 7328027671778933196,
+              2423351736705254515, 8032613621618029747, 1067243240940655095, 1598303475284142354],
+    "window": [5789467443735284392, 3513192165992831756, 6727725532594439619, 6338689112108164237],
+    "forward": [5550831960016644421, 8857539463539162028, 7019137822980018226, 1221751774098330300,
+                3615074684200609141, 5899614875253168782, 882220340885871603, 5411064254884773929],
+}
+
+
+def test_text_only_records_keep_the_seeds_of_their_prompt_alone():
+    assert [prompt_seed(p, s, e) for p in TEXT_ONLY for s, e in ((0, 0), (42, 7))] == TEXT_ONLY_SEEDS["prompt"]
+    assert [latent_generator(p, 42, 3, k, same).initial_seed() for p in TEXT_ONLY for k in (0, 1)
+            for same in (True, False)] == TEXT_ONLY_SEEDS["latent"]
+    assert [noise_generator(p, 42, 3, k).initial_seed() for p in TEXT_ONLY for k in (0, 1)] == TEXT_ONLY_SEEDS["noise"]
+    assert [window_generator(p, 42, 3).initial_seed() for p in TEXT_ONLY] == TEXT_ONLY_SEEDS["window"]
+    assert [forward_generator(p, 42, 3, k).initial_seed() for p in TEXT_ONLY for k in (0, 1)] == TEXT_ONLY_SEEDS["forward"]
+
+
+def _write_image(path, seed: int) -> str:
+    PIL.Image.fromarray((np.random.RandomState(seed).rand(24, 40, 3) * 255).astype(np.uint8)).save(path)
+    return str(path)
+
+
+def test_records_of_one_text_draw_their_own_noise_for_each_image(tmp_path):
+    """Two records of the same text with different images are different records: their initial
+    noise, SDE noise, SDE windows and forward draws differ. The same image is the same record
+    wherever it lies (its path, its bytes): the seed is of the image's content."""
+    policy = build_tiny_policy("wan2.2-i2v-a14b").to("cpu")  # the cheapest image-to-video layout
+    first, second = _write_image(tmp_path / "a.png", seed=0), _write_image(tmp_path / "b.png", seed=1)
+    copy = open(first, "rb").read()
+    prompts, indices, images = ["a cat"] * 3, [0] * 3, [first, second, copy]
+    config = SamplingConfig(num_inference_steps=3, guidance_scale=1.0, noise_level=0.7)
+    rollout = sample_rollout(policy, policy.transformer, prompts, indices, seed=11, epoch=0, config=config, device="cpu",
+                             images=images)
+    initial = rollout.latents[:, 0]  # no window: step 0 is stochastic, its state is the initial noise
+    assert not torch.allclose(initial[0], initial[1]) and torch.equal(initial[0], initial[2])
+    expected = policy.prepare_latents([latent_generator("a cat", 11, 0, 0, True, image_digest(second))], 32, 32, 5, "cpu")
+    assert torch.equal(initial[1:2], expected)
+    sde_noise = rollout.next_latents[:, 0] - initial
+    assert not torch.allclose(sde_noise[0], sde_noise[1]) and torch.equal(sde_noise[0], sde_noise[2])
+
+    schedule = policy.timesteps_and_sigmas(3, rollout.final_latents, "cpu")
+    forward = draw_forward_batch(rollout, *schedule, 1, seed=11, epoch=0).noise
+    assert not torch.allclose(forward[0], forward[1]) and torch.equal(forward[0], forward[2])
+
+    windowed = SamplingConfig(num_inference_steps=6, sde_window_size=1, sde_window_range=(0, 5))
+    starts = stochastic_steps(["a cat"] * 8, torch.linspace(1, 0, 7), seed=11, epoch=0,
+                              config=windowed, image_ids=list(range(8))).float().argmax(dim=1)
+    assert len(set(starts.tolist())) > 1  # one text, eight images: each group draws its own window

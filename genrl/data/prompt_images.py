@@ -9,6 +9,7 @@ and is read again at every encoding; a URL is fetched once, at loading, and its 
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import urllib.error
@@ -79,6 +80,31 @@ def read_image(image: "ImageRef | PIL.Image.Image") -> PIL.Image.Image:
 def image_key(image: "ImageRef | PIL.Image.Image") -> Any:
     """What tells images apart in a batch: a path or bytes by value, a PIL image by identity."""
     return image if isinstance(image, (str, bytes)) else id(image)
+
+
+def image_digest(image: "ImageRef | PIL.Image.Image") -> int:
+    """A 64-bit digest of an image's content, the same in every process, on every machine and
+    after a resume (a path's location is not: the digest is of what the file holds):
+    blake2b(digest_size=8), read big-endian, of a file's bytes (a path's, or the bytes kept), or
+    of a PIL image's mode, size and pixels."""
+    digest = hashlib.blake2b(digest_size=8)
+    if isinstance(image, PIL.Image.Image):
+        digest.update(f"{image.mode} {image.size[0]}x{image.size[1]}\n".encode())
+        digest.update(image.tobytes())
+    elif isinstance(image, bytes):
+        digest.update(image)
+    else:
+        with open(image, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return int.from_bytes(digest.digest(), "big")
+
+
+def image_digests(images: Sequence) -> list[int]:
+    """``image_digest`` of each of ``images``, each distinct one read once."""
+    unique, rows = unique_images(images)
+    digests = [image_digest(image) for image in unique]
+    return [digests[row] for row in rows]
 
 
 def unique_images(images: Sequence) -> tuple[list, list[int]]:

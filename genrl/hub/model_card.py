@@ -50,16 +50,18 @@ check a setting with `eval_genrl.py` before relying on it.{% endif %}{% if ode_n
 
 ```python
 import torch
-from diffusers import DiffusionPipeline
-
+from diffusers import {{ pipeline_class }}
+{% if takes_image %}from diffusers.utils import load_image
+{% endif %}
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
-pipe = DiffusionPipeline.from_pretrained("{{ base_ref }}", torch_dtype=dtype)
+pipe = {{ pipeline_class }}.from_pretrained("{{ base_ref }}", torch_dtype=dtype)
 {% if is_lora %}pipe.load_lora_weights("{{ weights_ref }}", weight_name="pytorch_lora_weights.safetensors")
 {% else %}pipe.transformer = type(pipe.transformer).from_pretrained("{{ weights_ref }}", subfolder="transformer", torch_dtype=dtype)
 {% endif %}pipe.to(device)
-{% if settings %}settings = {{ settings_literal }}  # what the scores below were measured with
-{{ output_name }} = pipe("{{ example_prompt }}", **settings).{{ output_attr }}[0]
+{% if settings %}{% if takes_image %}input_image = load_image("{{ example_image }}")  # the conditioning image: a path or a URL
+{% endif %}settings = {{ settings_literal }}  # what the scores below were measured with
+{{ output_name }} = pipe({% if takes_image %}image=input_image, prompt={% endif %}"{{ example_prompt }}", **settings).{{ output_attr }}[0]
 {% endif %}```
 {% if before_after_rows %}
 ## Evaluation
@@ -176,28 +178,42 @@ def _used_hyperparameters(hyperparameters: dict) -> dict:
 
 SAMPLING_FILE = "sampling_config.json"
 
+# The Hub's pipeline tags of the models that sample from a conditioning image.
+IMAGE_CONDITIONED_TAGS = ("image-to-video", "image-to-image")
 
-def sampling_settings(args: dict, is_video: bool) -> dict:
+
+def pipeline_tag_for(is_video: bool, image_conditioned: bool) -> str:
+    """The Hub's pipeline tag of a model: what it takes (text, or an image and text) and makes."""
+    return f"{'image' if image_conditioned else 'text'}-to-{'video' if is_video else 'image'}"
+
+
+def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guidance_scale") -> dict:
     """The keyword arguments of a diffusers pipeline call that samples as the run's evaluation
     did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
-    guidance, size, frames and text length where the run set them, the negative prompt where
-    guidance uses it."""
+    guidance (under the pipeline's ``guidance_keyword``), size, frames and text length where the
+    run set them, the negative prompt where guidance uses it. A ``true_cfg_scale`` pipeline
+    (Qwen-Image) guides only when given a negative prompt: there it is passed even empty."""
     guidance = args.get("eval_guidance_scale")
     guidance = args.get("guidance_scale") if guidance is None else guidance
+    guided = guidance is not None and guidance > 1
     settings = {
         "num_inference_steps": args.get("eval_num_inference_steps") or args.get("num_inference_steps"),
-        "guidance_scale": guidance,
+        guidance_keyword: guidance,
         "height": args.get("height"),
         "width": args.get("width"),
         "num_frames": args.get("num_frames") if is_video else None,
         "max_sequence_length": args.get("max_sequence_length"),
-        "negative_prompt": args.get("negative_prompt") if guidance is not None and guidance > 1 else None,
     }
-    return {k: v for k, v in settings.items() if v not in (None, "")}
+    settings = {k: v for k, v in settings.items() if v not in (None, "")}
+    negative = args.get("negative_prompt") or ""
+    if guided and (negative or guidance_keyword == "true_cfg_scale"):
+        settings["negative_prompt"] = negative
+    return settings
 
 
 def _settings_text(settings: dict) -> str:
-    text = f"{settings['num_inference_steps']} steps at guidance {settings['guidance_scale']:g}"
+    guidance = settings.get("guidance_scale", settings.get("true_cfg_scale"))
+    text = f"{settings['num_inference_steps']} steps at guidance {guidance:g}"
     if "height" in settings and "width" in settings:
         text += f", {settings['height']}x{settings['width']}"
     if "num_frames" in settings:
@@ -309,6 +325,7 @@ def write_model_card(
     sample_images: Sequence[str] = (),
     repo_id: str | None = None,
     pipeline_tag: str | None = None,
+    pipeline_class: str | None = None,
 ) -> str:
     """Write ``export_dir/README.md`` and return its path; with ``evaluation.settings`` also
     ``export_dir/sampling_config.json``.
@@ -328,11 +345,17 @@ def write_model_card(
             copied to ``export_dir/samples/``).
         repo_id: the Hub repo the card is pushed to; the usage snippet loads from it (else from
             ``export_dir``, and a local base model from its path).
-        pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``.
+        pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``; ``"image-to-video"`` and
+            ``"image-to-image"`` (an image-conditioned model) make the snippet load a conditioning
+            image and pass it as ``image=``.
+        pipeline_class: the diffusers pipeline the snippet loads the base as (None:
+            ``DiffusionPipeline``, the base's own class); an image-conditioned model names it, since
+            its base folder may be another class's (Wan 2.2 TI2V's is a ``WanPipeline``).
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
     evaluation = evaluation or CardEvaluation()
+    is_video = pipeline_tag in ("text-to-video", "image-to-video")
     is_lora = os.path.isfile(os.path.join(export_dir, "pytorch_lora_weights.safetensors"))
     base_model, objective = record["base_model"], record["args"].get("objective", "grpo")
     is_hub_id = bool(_HUB_ID.match(base_model)) and not os.path.exists(base_model)
@@ -356,9 +379,12 @@ def write_model_card(
         images=_card_images(export_dir, sample_images),
         **_model_fields(export_dir, record, is_hub_id, repo_id),
         **_evaluation_fields(evaluation, record["args"].get("ode_solver", "euler")),
-        output_name="video" if pipeline_tag == "text-to-video" else "image",
-        output_attr="frames" if pipeline_tag == "text-to-video" else "images",
-        example_prompt="a photo of a cat" if pipeline_tag != "text-to-video" else "a cat walking in the snow",
+        output_name="video" if is_video else "image",
+        output_attr="frames" if is_video else "images",
+        example_prompt="a cat walking in the snow" if is_video else "a photo of a cat",
+        takes_image=pipeline_tag in IMAGE_CONDITIONED_TAGS,
+        pipeline_class=pipeline_class or "DiffusionPipeline",
+        example_image="first_frame.png" if is_video else "input.png",
     )
     path = os.path.join(export_dir, "README.md")
     card.save(path)
@@ -409,6 +435,8 @@ def write_run_card(
     record: dict,
     *,
     is_video: bool,
+    image_pipeline: str | None = None,
+    guidance_keyword: str = "guidance_scale",
     last_eval: dict | None,
     sample_images: Sequence[str],
     repo_id: str | None = None,
@@ -419,7 +447,9 @@ def write_run_card(
     score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
     ``eval/*`` values of the last evaluation, when the log holds none), with the base's and the
     final score at the pipeline's defaults where it logged them (``--eval_pipeline_defaults``),
-    and the reward watch's ``watch_alarms``. Returns its path."""
+    and the reward watch's ``watch_alarms``. An image-conditioned model names the pipeline class it
+    samples with (``image_pipeline``), which its snippet loads and passes a conditioning image to;
+    the snippet's guidance goes in as the pipeline's ``guidance_keyword``. Returns its path."""
     evals = first_and_last_eval(metrics_path)
     defaults = first_and_last_eval(metrics_path, PIPELINE_DEFAULTS + "/")
     args = record["args"]
@@ -427,7 +457,7 @@ def write_run_card(
         metrics=evals[-1][1] if evals else last_eval or None,
         baseline=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
         steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-        settings=sampling_settings(args, is_video),
+        settings=sampling_settings(args, is_video, guidance_keyword),
         watch_alarms=watch_alarms,
         diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
         if len(evals) > 1 else "",
@@ -436,4 +466,4 @@ def write_run_card(
                                                  next((v for step, v in defaults[-1:] if step > 0), None)),
     )
     return write_model_card(export_dir, record, evaluation=evaluation, sample_images=sample_images, repo_id=repo_id,
-                            pipeline_tag="text-to-video" if is_video else "text-to-image")
+                            pipeline_tag=pipeline_tag_for(is_video, image_pipeline is not None), pipeline_class=image_pipeline)

@@ -97,7 +97,8 @@ def draw_forward_batch(
     """For every sample of ``rollout``, ``num_timesteps`` distinct steps of the sampling
     schedule (``schedule_timesteps`` ``(T,)``, ``schedule_sigmas`` ``(T + 1,)``, the final 0
     excluded) and one noise draw per step, from the sample's own forward generator: the draws
-    depend on (seed, epoch, prompt, index in its group) alone, not on the batch layout.
+    depend on (seed, epoch, prompt, conditioning image if any, index in its group) alone, not on
+    the batch layout.
 
     ``sigma_range`` = (lo, hi) draws among the steps whose sigma lies in [lo, hi] only
     (``steps_in_sigma_range``); None: among all T."""
@@ -110,8 +111,9 @@ def draw_forward_batch(
         raise ValueError("The rollout kept no final latents; sample it with genrl.training.rollout.sample_rollout.")
     clean = rollout.final_latents.float()
     steps, noise = [], []
-    for prompt, index in zip(rollout.prompts, rollout.group_indices):
-        generator = forward_generator(prompt, seed, epoch, index)
+    image_ids = rollout.image_ids or [None] * len(rollout.prompts)
+    for prompt, index, image_id in zip(rollout.prompts, rollout.group_indices, image_ids):
+        generator = forward_generator(prompt, seed, epoch, index, image_id)
         steps.append(candidates[torch.randperm(len(candidates), generator=generator)[:num_timesteps]])
         noise.append(torch.randn((num_timesteps, *clean.shape[1:]), generator=generator))
     steps = torch.stack(steps).to(schedule_timesteps.device)

@@ -15,6 +15,7 @@ from genrl.policies.flux import FluxPolicy
 from genrl.policies.flux2 import Flux2KleinPolicy, Flux2Policy
 from genrl.policies.hunyuan15 import HunyuanVideo15Policy, image_to_video_message
 from genrl.policies.qwenimage import QwenImagePolicy
+from genrl.policies.qwenimage_edit import QwenImageEditPlusPolicy, QwenImageEditPolicy
 from genrl.policies.sd3 import SD3Policy
 from genrl.policies.wan import EXPERTS, WanPolicy, two_expert_message
 from genrl.policies.wan_i2v import WanImageToVideoPolicy
@@ -31,13 +32,16 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "QwenImagePipeline": QwenImagePolicy,
     "Flux2Pipeline": Flux2Policy,
     "HunyuanVideo15Pipeline": HunyuanVideo15Policy,
+    "QwenImageEditPipeline": QwenImageEditPolicy,
+    "QwenImageEditPlusPipeline": QwenImageEditPlusPolicy,
 }
 
-# Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..}.
+# Optional file next to model_index.json: {"height": .., "width": .., "num_frames": ..} and, for an
+# image-editing model, "condition_image_area" (the pixels its conditioning image is resized to).
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
 __all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy",
-           "Flux2Policy", "QwenImagePolicy", "HunyuanVideo15Policy", "POLICIES", "load_policy", "policy_for_pipeline"]
+           "Flux2Policy", "QwenImagePolicy", "QwenImageEditPolicy", "QwenImageEditPlusPolicy", "HunyuanVideo15Policy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -79,7 +83,8 @@ def pipeline_class_for(path: str, index: dict, image_conditioned: bool | None) -
         kind = "text-to-video" if POLICIES[class_name].is_video else "text-to-image"
         raise SetupError(f"{path!r} is a {kind} pipeline ({class_name}) and takes no conditioning image, but the prompts "
                          f"have an image column; leave it out (--image_column names it) or train an image-to-video model.")
-    raise SetupError(f"{path!r} is an image-to-video pipeline ({class_name}): every prompt needs a conditioning image, "
+    kind = "image-to-video" if POLICIES[class_name].is_video else "image-editing"
+    raise SetupError(f"{path!r} is an {kind} pipeline ({class_name}): every prompt needs a conditioning image, "
                      f"and the prompts have no image column (--image_column names it).")
 def _component_without_its_packages(index: dict) -> str | None:
     """Why a transformers component of ``model_index.json`` cannot be built here, or None:
@@ -163,6 +168,7 @@ def load_policy(
         for name, value in index.items()
         if not name.startswith("_") and isinstance(value, list) and len(value) == 2 and value[0] is None
     }
+    components.update(POLICIES[class_name].replaced_components(path, revision))
     if zero3_init_config is not None:
         transformer_class = getattr(diffusers, index[trained][1])
         components[trained] = load_partitioned_transformer(
@@ -182,10 +188,11 @@ def load_policy(
         raise SetupError(f"The weights of Hub model {path!r} could not be fetched ({hub_failure_reason(error)}); {hub_hint()}.") from error
     pipeline.set_progress_bar_config(disable=True)
     sizes = _read_json(path, SAMPLING_DEFAULTS_FILE, revision, required=False) or {}
-    unknown = set(sizes) - {"height", "width", "num_frames"}
+    unknown = set(sizes) - {"height", "width", "num_frames", "condition_image_area"}
     if unknown:
         raise ValueError(
-            f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames."
+            f"{SAMPLING_DEFAULTS_FILE} in {path!r} has unknown keys {sorted(unknown)}; expected height, width, num_frames, "
+            "condition_image_area."
         )
     experts = dict(expert=wan_expert, guidance_scale_2=guidance_scale_2) if two_experts else {}
     return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length, **experts,

@@ -79,6 +79,8 @@ class FlowPolicy:
         scheduler: the ``FlowMatchEulerDiscreteScheduler`` sampling uses.
         is_video: whether samples have more than one frame.
         default_height, default_width, default_num_frames: sampling size when none is given.
+        default_condition_image_area: the pixels an image-editing family resizes its conditioning
+            image to (None: its pipeline's).
         text_tokens: the ``max_sequence_length`` asked for (None: the pipeline's default).
     """
 
@@ -87,6 +89,7 @@ class FlowPolicy:
     uses_true_cfg: bool = True  # CFG as two forwards (cond, uncond); else guidance is an input
     image_conditioned: bool = False  # every prompt comes with a conditioning image (image-to-video)
     pipeline_text_tokens: int = 512  # T5/UMT5 tokens per prompt the family's pipeline encodes by default
+    guidance_keyword: str = "guidance_scale"  # the pipeline call's name for the scale genrl samples at
 
     def __init__(
         self,
@@ -95,6 +98,7 @@ class FlowPolicy:
         default_height: int | None = None,
         default_width: int | None = None,
         default_num_frames: int | None = None,
+        default_condition_image_area: int | None = None,
         max_sequence_length: int | None = None,
     ):
         if getattr(pipeline, "transformer", None) is None:
@@ -106,6 +110,7 @@ class FlowPolicy:
         self.default_height = default_height or height
         self.default_width = default_width or width
         self.default_num_frames = default_num_frames or num_frames
+        self.default_condition_image_area = default_condition_image_area
         if max_sequence_length is not None and max_sequence_length < 1:
             raise ValueError(f"max_sequence_length must be at least 1; got {max_sequence_length}.")
         self.text_tokens = max_sequence_length
@@ -131,6 +136,12 @@ class FlowPolicy:
         return size, size, 1
 
     trained_component = "transformer"  # the pipeline component trained (the export's subfolder)
+
+    @classmethod
+    def replaced_components(cls, path: str, revision: str | None) -> dict:
+        """Components of the pipeline folder ``path`` that ``load_policy`` builds itself rather than
+        leave to the pipeline's loader (none)."""
+        return {}
 
     def trained_steps(self, num_inference_steps: int) -> tuple[int, int] | None:
         """``(a, b)`` when the trained transformer denoises only steps a..b-1 (one expert of two);
@@ -164,6 +175,17 @@ class FlowPolicy:
         if images is not None:
             raise ValueError(f"{type(self.pipeline).__name__} takes no conditioning images; sample it with images=None.")
         return {}
+
+    def encode_conditioning(
+        self, prompts: list[str], images: Sequence | None, height: int, width: int, num_frames: int,
+        device: torch.device | str, guidance_scale: float, negative_prompt: str = "",
+    ) -> dict[str, torch.Tensor]:
+        """Everything the transformer is conditioned on, every tensor ``(B, ...)``: the prompts'
+        embeddings (``encode_prompts``) and their images' (``encode_images``); a family whose text
+        encoder reads the image too encodes them together."""
+        embeds = self.encode_prompts(prompts, device, guidance_scale, negative_prompt)
+        embeds.update(self.encode_images(images, height, width, num_frames, device))
+        return embeds
 
     def finish_latents(self, latents: torch.Tensor, embeds: dict[str, torch.Tensor]) -> torch.Tensor:
         """The sampled latents ``(B, ...)`` as the pipeline hands them to the VAE: unchanged, except

@@ -32,6 +32,7 @@ class QwenImagePolicy(FlowPolicy):
     uses_true_cfg = True
 
     pipeline_text_tokens = 1024  # QwenImagePipeline's max_sequence_length
+    guidance_keyword = "true_cfg_scale"  # its guidance_scale is a guidance-distilled model's input
 
     def text_tokenizer(self):
         return self.pipeline.tokenizer
@@ -63,6 +64,8 @@ class QwenImagePolicy(FlowPolicy):
         batch, channels, h, w = latents.shape
         pipeline = type(self.pipeline)
         x = pipeline._pack_latents(latents.to(dtype), batch, channels, h, w)
+        noise_tokens = x.shape[1]
+        x, img_shapes = self._image_stream(x, embeds, h, w)
         t = timestep.float() / 1000
         cfg = self.use_cfg(guidance_scale)
         if cfg:  # [uncond; cond] in one forward
@@ -75,14 +78,20 @@ class QwenImagePolicy(FlowPolicy):
             timestep=t,
             encoder_hidden_states=context[:, :tokens].to(dtype),
             encoder_hidden_states_mask=mask[:, :tokens].to(context.device),  # (the FLOP count keeps masks real)
-            img_shapes=[[(1, h // 2, w // 2)]] * len(x),
+            img_shapes=[img_shapes] * len(x),
             return_dict=False,
-        )[0].float()
+        )[0][:, :noise_tokens].float()
         if cfg:
             v_uncond, v_cond = velocity.chunk(2)
             velocity = renormed_cfg(v_cond, v_uncond, guidance_scale)
         factor = self.pipeline.vae_scale_factor
         return pipeline._unpack_latents(velocity, h * factor, w * factor, factor).squeeze(2)
+
+    def _image_stream(self, x: torch.Tensor, embeds: dict[str, torch.Tensor], h: int, w: int):
+        """The transformer's image tokens ``(B, L, 4C)`` and the ``(frames, rows, columns)`` of each
+        image they hold (its ``img_shapes`` entry): here the packed noisy latents ``x`` alone, of the
+        unpacked size ``h`` x ``w``; the velocity is read off their first L tokens."""
+        return x, [(1, h // 2, w // 2)]
 
     @torch.no_grad()
     def decode(self, latents):

@@ -1,5 +1,5 @@
-"""Tiny random-init diffusers pipelines (Wan and HunyuanVideo 1.5 video; SD3, FLUX.1, Z-Image, FLUX.2
-and Qwen-Image images) built offline, for tests and benchmarks (training does not use them: the trainer's
+"""Tiny random-init diffusers pipelines (Wan and HunyuanVideo 1.5 video; SD3, FLUX.1, Z-Image, FLUX.2,
+Qwen-Image and Qwen-Image-Edit images) built offline, for tests and benchmarks (training does not use them: the trainer's
 no-argument run uses the shipped toy model in ``genrl/assets/toy-shapes-t2i``).
 
 They are real ``WanPipeline`` / ``StableDiffusion3Pipeline`` / ``FluxPipeline`` / ... objects with
@@ -37,6 +37,8 @@ from diffusers import (
     FluxTransformer2DModel,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
+    QwenImageEditPipeline,
+    QwenImageEditPlusPipeline,
     QwenImagePipeline,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -63,6 +65,7 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
     Qwen2_5_VLTextConfig,
     Qwen2_5_VLTextModel,
+    Qwen2VLImageProcessorPil,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
@@ -74,6 +77,7 @@ from transformers import (
 
 from genrl.data.word_tokenizer import BOS_EOS_TEMPLATE, word_level_tokenizer
 from genrl.policies import SAMPLING_DEFAULTS_FILE, FlowPolicy, policy_for_pipeline
+from genrl.policies.qwenimage_edit import ImageTextQwen2VLProcessor
 
 FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2", "hunyuanvideo15")
 # Layouts of a family beyond its first, built by name too, loading as that family: "wan2.2" is
@@ -82,8 +86,11 @@ FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2",
 # "wan2.2-a14b" Wan 2.2 A14B's (two experts split at a boundary timestep); image-to-video
 # (``WanImageToVideoPipeline``): "wan2.1-i2v" Wan 2.1 I2V's (a CLIP image encoder, the image's
 # latents and mask concatenated to the noise), "wan2.2-i2v-a14b" Wan 2.2 I2V A14B's (two such
-# experts, no CLIP), "wan2.2-i2v" Wan 2.2 TI2V-5B's sampling from an image (its first latent frame).
-VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b", "wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-i2v")
+# experts, no CLIP), "wan2.2-i2v" Wan 2.2 TI2V-5B's sampling from an image (its first latent frame);
+# image editing: "qwenimage-edit" Qwen-Image-Edit's (``QwenImageEditPipeline``), "qwenimage-edit-plus"
+# Qwen-Image-Edit-2511's (``QwenImageEditPlusPipeline``, the image's tokens at timestep 0).
+VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b", "wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-i2v", "qwenimage-edit",
+            "qwenimage-edit-plus")
 
 # Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
 # (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
@@ -103,6 +110,9 @@ TINY_SAMPLING_DEFAULTS = {
     "flux2": {"height": 32, "width": 32, "num_frames": 1},
     # 16x VAE: 2x3 latent pixels (not square, so that height and width cannot be swapped unseen).
     "hunyuanvideo15": {"height": 32, "width": 48, "num_frames": 5},
+    # Conditioning images of 64 x 64 pixels (the pipelines' 1024 x 1024 take the tiny VAE seconds).
+    "qwenimage-edit": {"height": 32, "width": 32, "num_frames": 1, "condition_image_area": 64 * 64},
+    "qwenimage-edit-plus": {"height": 32, "width": 32, "num_frames": 1, "condition_image_area": 64 * 64},
 }
 
 # Special tokens first; ids follow T5's convention (pad 0, eos 1) so a CLIP text model
@@ -195,6 +205,20 @@ def tiny_qwen25_tokenizer(max_length: int = TINY_CHAT_MAX_LENGTH) -> PreTrainedT
     tokenizer = tiny_chat_tokenizer(max_length)
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(QWEN_WHITESPACE), behavior="removed",
                                                                      invert=True)
+    return tokenizer
+
+
+# Qwen2.5-VL's vision tokens, and "'s" read as one token as Qwen's tokenizer reads it, so that the
+# Qwen-Image-Edit template's system part keeps the 64 tokens its pipeline drops.
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+TINY_VL_VOCAB = TINY_CHAT_VOCAB + VISION_TOKENS + ("'s",)
+TINY_VL_MAX_LENGTH = 128  # a templated instruction with its image's tokens
+
+
+def tiny_qwen_vl_tokenizer(max_length: int = TINY_VL_MAX_LENGTH) -> PreTrainedTokenizerFast:
+    """Qwen2.5-VL's: ``TINY_VL_VOCAB`` with ``QWEN_CHAT_TEMPLATE``."""
+    tokenizer = _chat_tokenizer(TINY_VL_VOCAB, CHAT_TOKENS + VISION_TOKENS, QWEN_CHAT_TEMPLATE, max_length)
+    tokenizer.add_tokens([AddedToken("'s", normalized=False)])
     return tokenizer
 
 
@@ -563,11 +587,28 @@ def _build_flux2() -> Flux2Pipeline:
     return Flux2Pipeline(text_encoder=text_encoder, tokenizer=tiny_mistral_tokenizer(), **_flux2_parts(True))
 
 
-def _build_qwenimage() -> QwenImagePipeline:
-    """Qwen-Image's layout: an MMDiT over 2x2-packed latents of Wan's 8x causal VAE (one frame),
-    prompts as the last hidden states of Qwen2.5-VL's language model (a one-block vision tower
-    beside it, unused by text)."""
-    z_dim, text_width = 4, 32
+_QWEN_TEXT_WIDTH = 32
+
+
+def _qwen25_vl(vocab: tuple[str, ...], **token_ids) -> Qwen2_5_VLForConditionalGeneration:
+    """A Qwen2.5-VL of a two-layer language model over ``vocab`` beside a one-block vision tower
+    (14-pixel patches merged 2x2, as the real one's); ``token_ids``: its vision tokens' ids."""
+    return Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=len(vocab), hidden_size=_QWEN_TEXT_WIDTH, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.2,
+            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
+            pad_token_id=0, bos_token_id=None, eos_token_id=vocab.index("<|im_end|>"),
+        ),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=_QWEN_TEXT_WIDTH,
+                           fullatt_block_indexes=[0]),
+        **token_ids,
+    ))
+
+
+def _qwenimage_parts(**transformer_config) -> dict:
+    """The transformer, VAE and scheduler of Qwen-Image and Qwen-Image-Edit."""
+    z_dim = 4
     transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=4 * z_dim,  # 2x2-packed latents
@@ -575,30 +616,44 @@ def _build_qwenimage() -> QwenImagePipeline:
         num_layers=2,
         attention_head_dim=16,
         num_attention_heads=2,
-        joint_attention_dim=text_width,
+        joint_attention_dim=_QWEN_TEXT_WIDTH,
         axes_dims_rope=(4, 6, 6),  # sums to the head dim
+        **transformer_config,
     )
     vae = AutoencoderKLQwenImage(
         base_dim=4, z_dim=z_dim, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True],
         latents_mean=[-0.75, -0.7, -0.9, 0.1], latents_std=[2.8, 1.45, 2.3, 2.65],
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
-        text_config=dict(
-            vocab_size=len(TINY_CHAT_VOCAB), hidden_size=text_width, intermediate_size=64, num_hidden_layers=2,
-            num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, initializer_range=0.2,
-            rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0},
-            pad_token_id=0, bos_token_id=None, eos_token_id=TINY_CHAT_VOCAB.index("<|im_end|>"),
-        ),
-        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=text_width,
-                           fullatt_block_indexes=[0]),
-    ))
     scheduler = FlowMatchEulerDiscreteScheduler(  # Qwen-Image's: dynamic shifting, a terminal sigma of 0.02
         shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9, base_image_seq_len=256,
         max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
     )
-    return QwenImagePipeline(
-        scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tiny_chat_tokenizer(), transformer=transformer,
-    )
+    return {"transformer": transformer, "vae": vae, "scheduler": scheduler}
+
+
+def _build_qwenimage() -> QwenImagePipeline:
+    """Qwen-Image's layout: an MMDiT over 2x2-packed latents of Wan's 8x causal VAE (one frame),
+    prompts as the last hidden states of Qwen2.5-VL's language model (a one-block vision tower
+    beside it, unused by text)."""
+    parts = _qwenimage_parts()  # before the text encoder: the weights of a seed stay put
+    return QwenImagePipeline(text_encoder=_qwen25_vl(TINY_CHAT_VOCAB), tokenizer=tiny_chat_tokenizer(), **parts)
+
+
+def _build_qwenimage_edit(pipeline_class=QwenImageEditPipeline, **transformer_config):
+    """Qwen-Image-Edit's layout: Qwen-Image's, and a processor through which Qwen2.5-VL reads the
+    image to edit (at most 112 x 112 pixels here: 16 vision tokens) before the instruction."""
+    parts = _qwenimage_parts(**transformer_config)
+    tokenizer = tiny_qwen_vl_tokenizer()
+    ids = {f"{name}_token_id": TINY_VL_VOCAB.index(f"<|{token}|>") for name, token in (
+        ("image", "image_pad"), ("video", "video_pad"), ("vision_start", "vision_start"), ("vision_end", "vision_end"))}
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": 56 * 56, "longest_edge": 112 * 112})
+    processor = ImageTextQwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return pipeline_class(text_encoder=_qwen25_vl(TINY_VL_VOCAB, **ids), tokenizer=tokenizer, processor=processor, **parts)
+
+
+def _build_qwenimage_edit_plus() -> QwenImageEditPlusPipeline:
+    """Qwen-Image-Edit-2511's: Qwen-Image-Edit's, the image's tokens at timestep 0 (``zero_cond_t``)."""
+    return _build_qwenimage_edit(QwenImageEditPlusPipeline, zero_cond_t=True)
 
 
 def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
@@ -642,7 +697,8 @@ _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage"
              "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "flux2": _build_flux2,
              "hunyuanvideo15": _build_hunyuanvideo15,
              "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v,
-             "wan2.2-i2v-a14b": _build_wan22_i2v_a14b, "wan2.2-i2v": _build_wan22_i2v}
+             "wan2.2-i2v-a14b": _build_wan22_i2v_a14b, "wan2.2-i2v": _build_wan22_i2v,
+             "qwenimage-edit": _build_qwenimage_edit, "qwenimage-edit-plus": _build_qwenimage_edit_plus}
 
 
 def build_tiny_pipeline(family: str, seed: int = 0) -> DiffusionPipeline:
@@ -664,9 +720,31 @@ def save_tiny_pipeline(family: str, path: str | os.PathLike, seed: int = 0) -> s
     """Build the tiny ``family`` pipeline, save it in diffusers format under ``path`` with its
     ``sampling_defaults.json``, and return ``path`` as a string."""
     path = os.fspath(path)
-    build_tiny_pipeline(family, seed=seed).save_pretrained(path)
+    pipeline = build_tiny_pipeline(family, seed=seed)
+    pipeline.save_pretrained(path)
+    if isinstance(getattr(pipeline, "processor", None), ImageTextQwen2VLProcessor):
+        _name_processor_as_transformers(path)
     write_sampling_defaults(path, family)
     return path
+
+
+def _name_processor_as_transformers(path: str) -> None:
+    """A saved Qwen-Image-Edit folder names its processor transformers' ``Qwen2VLProcessor``, as the
+    published checkpoints do (the tiny one is built as ``ImageTextQwen2VLProcessor``, whose files
+    are that processor's, less the video half)."""
+    index_path = os.path.join(path, "model_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["processor"] = ["transformers", "Qwen2VLProcessor"]
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
+    for name in ("processor_config.json", "tokenizer_config.json"):
+        config_path = os.path.join(path, "processor", name)
+        with open(config_path) as f:
+            config = json.load(f)
+        config["processor_class"] = "Qwen2VLProcessor"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
 
 
 def write_sampling_defaults(path: str, family: str) -> None:

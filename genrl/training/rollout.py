@@ -6,7 +6,8 @@ training; the others run with noise level 0 (the plain Euler / DDIM step) and ar
 
 Every random draw of a sample comes from its own generators (``genrl.data.seeding``), and each
 sample's noise generator advances exactly once per step, so a sample's trajectory is a
-function of (seed, epoch, prompt, index in its group) alone, whatever batch it sits in.
+function of (seed, epoch, prompt, conditioning image if any, index in its group) alone, whatever
+batch it sits in.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from genrl.data.prompt_images import image_digests
 from genrl.data.seeding import host_to_device, latent_generator, noise_generator, window_generator
 from genrl.math.sde import ODE_SOLVERS, SDE_TYPES, SDEStepOutput, adams_bashforth2_velocity, sde_step_with_logprob
 from genrl.policies.base import FlowPolicy
@@ -95,6 +97,8 @@ class Rollout:
     step_indices: ``(B, S)`` long, which denoising step each record is.
     sigma_max: the schedule's second sigma (see ``genrl.math.sde.flow_sde_std``).
     embeds: the prompt embeddings, ``(B, ...)`` each.
+    image_ids: each sample's conditioning-image digest (``genrl.data.prompt_images.image_digest``),
+        part of its seeds as of its prompt; None for text-only samples.
     final_latents: ``(B, ...)`` float32, the clean latents x0 the sampler ended at (what the
         likelihood-free objectives train on).
     samples: decoded ``(B, C, F, H, W)`` float in [0, 1], on the CPU.
@@ -116,6 +120,7 @@ class Rollout:
     final_latents: torch.Tensor | None = None
     samples: torch.Tensor | None = None
     decode_seconds: float = 0.0
+    image_ids: list[int] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -187,9 +192,12 @@ def progressive_window_start(epoch: int, lo: int, last_start: int, shift_every: 
     return min(lo + epoch // shift_every, last_start)
 
 
-def sde_window_start(prompt: str, seed: int, epoch: int, num_inference_steps: int, config: SamplingConfig) -> int:
-    """First stochastic step of ``prompt``'s group: uniform in [lo, hi - window_size], or the
-    progressive window's start of this epoch (``config.sde_window_shift_every`` > 0)."""
+def sde_window_start(
+    prompt: str, seed: int, epoch: int, num_inference_steps: int, config: SamplingConfig, image_id: int | None = None
+) -> int:
+    """First stochastic step of ``prompt``'s group (with its image, ``image_id``): uniform in
+    [lo, hi - window_size], or the progressive window's start of this epoch
+    (``config.sde_window_shift_every`` > 0)."""
     lo, hi = config.sde_window_range
     last = num_inference_steps - 1  # the final step goes to sigma' = 0 and is never stochastic
     hi = last if hi is None else min(hi, last)
@@ -201,22 +209,25 @@ def sde_window_start(prompt: str, seed: int, epoch: int, num_inference_steps: in
         )
     if config.sde_window_shift_every > 0:
         return progressive_window_start(epoch, lo, hi - size, config.sde_window_shift_every)
-    generator = window_generator(prompt, seed, epoch)
+    generator = window_generator(prompt, seed, epoch, image_id)
     return int(torch.randint(lo, hi - size + 1, (1,), generator=generator))
 
 
 def stochastic_steps(
-    prompts: Sequence[str], sigmas: torch.Tensor, *, seed: int, epoch: int, config: SamplingConfig
+    prompts: Sequence[str], sigmas: torch.Tensor, *, seed: int, epoch: int, config: SamplingConfig,
+    image_ids: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """``(B, T)`` bool on the CPU: step i of sample b is stochastic iff noise_level > 0,
-    sigma_{i+1} > 0 and i lies in the sample's SDE window."""
+    sigma_{i+1} > 0 and i lies in the sample's SDE window (``image_ids``: the samples' image
+    digests, None for text-only ones)."""
     num_steps = sigmas.numel() - 1
     can_move = (sigmas[1:] > 0).cpu() & (config.noise_level > 0)
     mask = can_move.expand(len(prompts), num_steps).clone()
     if config.sde_window_size > 0:
         steps = torch.arange(num_steps)
-        for b, prompt in enumerate(prompts):
-            start = sde_window_start(prompt, seed, epoch, num_steps, config)
+        ids = [None] * len(prompts) if image_ids is None else image_ids
+        for b, (prompt, image_id) in enumerate(zip(prompts, ids)):
+            start = sde_window_start(prompt, seed, epoch, num_steps, config, image_id)
             mask[b] &= (steps >= start) & (steps < start + config.sde_window_size)
     return mask
 
@@ -245,20 +256,23 @@ def sample_rollout(
     step with the state ``(B, ...)``, its timesteps ``(B,)``, the prompt embeddings and the
     model's (guided) velocity there (the reward watch measures drift from the reference there;
     with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one).
-    ``images``: image-to-video policies' conditioning image of each sample (``genrl.data.prompt_images``),
-    encoded into the embeddings (once per distinct image); None for the text-only ones."""
+    ``images``: image-conditioned policies' conditioning image of each sample (``genrl.data.prompt_images``),
+    encoded into the embeddings (once per distinct image) and, by its content's digest, part of the
+    sample's seeds, so that records of one text and different images draw their own noise; None
+    for the text-only ones."""
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."
         )
     batch = len(prompts)
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
-    embeds = policy.encode_prompts(prompts, device, config.guidance_scale, config.negative_prompt)
-    embeds.update(policy.encode_images(images, height, width, num_frames, device))
+    embeds = policy.encode_conditioning(prompts, images, height, width, num_frames, device, config.guidance_scale,
+                                        config.negative_prompt)
 
-    sample_ids = list(zip(prompts, group_indices))
-    latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent) for p, k in sample_ids]
-    noise_generators = [noise_generator(p, seed, epoch, k) for p, k in sample_ids]
+    image_ids = image_digests(images) if images is not None else None
+    sample_ids = list(zip(prompts, group_indices, image_ids or [None] * batch))
+    latent_generators = [latent_generator(p, seed, epoch, k, config.same_latent, i) for p, k, i in sample_ids]
+    noise_generators = [noise_generator(p, seed, epoch, k, i) for p, k, i in sample_ids]
     if initial_latents is None:
         latents = policy.prepare_latents(latent_generators, height, width, num_frames, device)
     else:
@@ -268,7 +282,7 @@ def sample_rollout(
         latents = initial_latents.to(device=device, dtype=torch.float32)
     timesteps, sigmas = policy.timesteps_and_sigmas(config.num_inference_steps, latents, device)
     sigma_max = float(sigmas[1])
-    stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config)
+    stochastic = stochastic_steps(prompts, sigmas, seed=seed, epoch=epoch, config=config, image_ids=image_ids)
 
     records: list[list[StepRecord]] = [[] for _ in range(batch)]
     prev_velocity = None
@@ -331,6 +345,7 @@ def sample_rollout(
         final_latents=latents,
         samples=samples,
         decode_seconds=decode_seconds,
+        image_ids=image_ids,
     )
 
 
@@ -397,7 +412,7 @@ def index_rollout(rollout: Rollout, index: Sequence[int] | torch.Tensor) -> Roll
     picked = {}
     for f in fields(Rollout):
         value = getattr(rollout, f.name)
-        if f.name in ("prompts", "group_indices"):
+        if f.name in ("prompts", "group_indices") or (f.name == "image_ids" and value is not None):
             picked[f.name] = [value[i] for i in index]
         elif f.name == "embeds":
             picked[f.name] = {k: v[index] for k, v in value.items()}
@@ -424,6 +439,8 @@ def concat_rollouts(rollouts: Sequence[Rollout]) -> Rollout:
             joined[f.name] = {k: torch.cat([v[k] for v in values]) for k in values[0]}
         elif f.name in ("samples", "final_latents", "means"):
             joined[f.name] = None if values[0] is None else torch.cat(values)
+        elif f.name == "image_ids":
+            joined[f.name] = None if values[0] is None else [v for value in values for v in value]
         elif f.name == "decode_seconds":
             joined[f.name] = sum(values)
         elif isinstance(values[0], torch.Tensor):

@@ -82,10 +82,10 @@ def count_transformer_flops(
     again after): its recomputation is not counted. Draws nothing from any random generator."""
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     guidance = policy.conditional_guidance(config.guidance_scale)
-    encoded = policy.encode_prompts([prompt], device, guidance, config.negative_prompt)
-    if policy.image_conditioned:  # the FLOPs do not depend on the pixels: a gray image of the size sampled
-        encoded.update(policy.encode_images([PIL.Image.new("RGB", (width, height), (128, 128, 128))], height, width,
-                                            num_frames, device))
+    # The FLOPs do not depend on the pixels: an image-conditioned policy gets a gray image of the size sampled.
+    images = [PIL.Image.new("RGB", (width, height), (128, 128, 128))] if policy.image_conditioned else None
+    encoded = policy.encode_conditioning([prompt], images, height, width, num_frames, device, guidance,
+                                         config.negative_prompt)
     # Token masks stay real: their lengths shape the transformer's input (Z-Image, Qwen-Image).
     embeds = {k: v if v.dtype == torch.bool else torch.empty_like(v, device="meta") for k, v in encoded.items()}
     latents = torch.zeros((1, *policy.latent_shape(height, width, num_frames)), device="meta")
