@@ -54,7 +54,7 @@ from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import find_setup_error, stop_line
 from genrl.evaluation.plots import plot_training_curves
 from genrl.evaluation.reward_watch import RewardWatch, watched_rewards
-from genrl.hub.model_card import write_run_card
+from genrl.hub.model_card import PipelineUsage, write_run_card
 from genrl.hub.push import HubPushError, push_checkpoint_async, push_to_hub
 from genrl.rewards import clear_reward_models
 from genrl.training.experience import EpochExperience, ScoredRollouts, collect_rollouts, epoch_advantages
@@ -324,9 +324,7 @@ def publish_export(run: Run) -> bool:
     if os.path.exists(run.metrics_path):
         images.append(plot_training_curves(run.metrics_path, os.path.join(args.output_dir, "training_curves.png")))
     write_run_card(args.output_dir, run.metrics_path, run.record, is_video=run.policy.is_video,
-                   image_pipeline=type(run.policy.pipeline).__name__ if run.policy.image_conditioned else None,
-                   guidance_keyword=run.policy.guidance_keyword,
-                   last_eval=run.last_eval,
+                   usage=PipelineUsage.of(run.policy), last_eval=run.last_eval,
                    sample_images=images, repo_id=args.hub_model_id, watch_alarms=run.watch.alarms if run.watch.history else None)
     logger.info(f"Exported to {args.output_dir}")
     for push in run.checkpoint_pushes:

@@ -12,7 +12,7 @@ import pytest
 from huggingface_hub import ModelCard
 
 from genrl.checkpoints.output_lock import LOCK_FILE
-from genrl.hub.model_card import CardEvaluation, write_model_card
+from genrl.hub.model_card import CardEvaluation, PipelineUsage, write_model_card
 from genrl.hub.push import HubPushError, push_checkpoint_async, push_to_hub
 from tests.fake_hub_server import FakeHubServer
 
@@ -254,7 +254,7 @@ def test_run_card_says_first_which_settings_its_scores_need_and_reports_diversit
     assert "Sample it as it was evaluated: 10 steps at guidance 1, 64x96**" in first_lines
     assert "the pipeline's own defaults included, it was not evaluated" in first_lines
     assert "`ab2` solver" in first_lines  # the pipeline integrates otherwise
-    assert f"settings = {json.dumps(settings)}" in card and 'image = pipe("a photo of a cat", **settings).images[0]' in card
+    assert f"settings = {json.dumps(settings)}" in card and 'image = pipe(prompt="a photo of a cat", **settings).images[0]' in card
     assert "diversity stayed above the alarm's threshold" in card
     assert "went from 0.2500 to 0.1800, 72% of its start; the watch alarms below 50%" in card
     assert "samples held" not in card
@@ -313,7 +313,8 @@ def test_an_image_to_video_cards_snippet_samples_from_a_conditioning_image(tmp_p
     args = {"num_inference_steps": 2, "guidance_scale": 1.0, "height": 64, "width": 64, "num_frames": 5}
     config = {"base_model": base, "reward_fn": "r", "args": args, "launch_command": "x", "family": "wan"}
     card = ModelCard.load(write_run_card(str(export), str(tmp_path / "none.jsonl"), config, is_video=True,
-                                         image_pipeline="WanImageToVideoPipeline", last_eval={}, sample_images=[]))
+                                         usage=PipelineUsage("WanImageToVideoPipeline", image_conditioned=True),
+                                         last_eval={}, sample_images=[]))
     assert card.data.pipeline_tag == "image-to-video"
     snippet = card.text.split("```python\n")[1].split("```")[0]
     assert "pipe = WanImageToVideoPipeline.from_pretrained(" in snippet
@@ -330,7 +331,7 @@ def test_an_image_to_video_cards_snippet_samples_from_a_conditioning_image(tmp_p
                                               last_eval={}, sample_images=[]))
     assert text_only.data.pipeline_tag == "text-to-video" and "load_image" not in text_only.text
     assert "pipe = DiffusionPipeline.from_pretrained(" in text_only.text
-    assert 'video = pipe("a cat walking in the snow", **settings).frames[0]' in text_only.text
+    assert 'video = pipe(prompt="a cat walking in the snow", **settings).frames[0]' in text_only.text
 
 
 def test_a_true_cfg_pipelines_card_guides_as_its_evaluation_did(tmp_path):
@@ -338,8 +339,6 @@ def test_a_true_cfg_pipelines_card_guides_as_its_evaluation_did(tmp_path):
     (its ``guidance_scale`` is a guidance-distilled model's input, ignored): the card's settings
     name the scale so and pass the run's negative prompt even empty, and called with them the
     pipeline runs the unconditional branch at every step; unguided, neither."""
-    import torch
-
     from genrl.hub.model_card import sampling_settings, write_run_card
     from genrl.policies import QwenImagePolicy
     from genrl.testing.tiny_pipelines import build_tiny_pipeline
@@ -359,6 +358,7 @@ def test_a_true_cfg_pipelines_card_guides_as_its_evaluation_did(tmp_path):
     (tmp_path / "transformer").mkdir()
     config = {"base_model": "Qwen/Qwen-Image", "reward_fn": "r", "args": args, "launch_command": "x", "family": "qwenimage"}
     card = ModelCard.load(write_run_card(str(tmp_path), str(tmp_path / "none.jsonl"), config, is_video=False,
-                                         guidance_keyword="true_cfg_scale", last_eval={}, sample_images=[])).text
+                                         usage=PipelineUsage("QwenImagePipeline", guidance_keyword="true_cfg_scale"),
+                                         last_eval={}, sample_images=[])).text
     assert f"settings = {json.dumps(settings)}" in card and "2 steps at guidance 4, 32x32" in card
     assert json.loads((tmp_path / "sampling_config.json").read_text()) == settings

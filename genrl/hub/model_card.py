@@ -7,6 +7,7 @@ scores, sample images, the launch command).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -38,7 +39,7 @@ against the reward `{{ reward_spec }}`.
 {% if is_lora %}
 This repository holds a LoRA adapter of the transformer (`pytorch_lora_weights.safetensors`).
 {% else %}
-This repository holds the fine-tuned transformer (`transformer/`, diffusers format).
+This repository holds the fine-tuned transformer (`{{ component }}/`, diffusers format).
 {% endif %}{% if settings %}
 **Sample it as it was evaluated: {{ settings_text }}** (`{{ settings_file }}`). The scores below were
 measured there. {% if defaults_text %}{{ defaults_text }} At other settings it was not evaluated:
@@ -56,12 +57,13 @@ from diffusers import {{ pipeline_class }}
 device = "cuda" if torch.cuda.is_available() else "cpu"
 dtype = torch.bfloat16 if device == "cuda" else torch.float32
 pipe = {{ pipeline_class }}.from_pretrained("{{ base_ref }}", torch_dtype=dtype)
-{% if is_lora %}pipe.load_lora_weights("{{ weights_ref }}", weight_name="pytorch_lora_weights.safetensors")
-{% else %}pipe.transformer = type(pipe.transformer).from_pretrained("{{ weights_ref }}", subfolder="transformer", torch_dtype=dtype)
+{% if is_lora %}{{ lora_loader }}("{{ weights_ref }}", weight_name="pytorch_lora_weights.safetensors"{{ lora_extra }})
+{% else %}pipe.{{ component }} = type(pipe.{{ component }}).from_pretrained("{{ weights_ref }}", subfolder="{{ component }}", torch_dtype=dtype)
 {% endif %}pipe.to(device)
-{% if settings %}{% if takes_image %}input_image = load_image("{{ example_image }}")  # the conditioning image: a path or a URL
-{% endif %}settings = {{ settings_literal }}  # what the scores below were measured with
-{{ output_name }} = pipe({% if takes_image %}image=input_image, prompt={% endif %}"{{ example_prompt }}", **settings).{{ output_attr }}[0]
+{% if guider_scale is not none %}pipe.guider = pipe.guider.new(guidance_scale={{ guider_scale }})  # this pipeline's guidance scale
+{% endif %}{% if settings %}{% if takes_image %}input_image = load_image("{{ example_image }}")  # the conditioning image: a path or a URL
+{% endif %}settings = {{ call_literal }}  # what the scores below were measured with
+{{ output_name }} = pipe({% if takes_image %}image=input_image, {% endif %}prompt="{{ example_prompt }}", **settings).{{ output_attr }}[0]
 {% endif %}```
 {% if before_after_rows %}
 ## Evaluation
@@ -178,8 +180,56 @@ def _used_hyperparameters(hyperparameters: dict) -> dict:
 
 SAMPLING_FILE = "sampling_config.json"
 
-# The Hub's pipeline tags of the models that sample from a conditioning image.
-IMAGE_CONDITIONED_TAGS = ("image-to-video", "image-to-image")
+
+@dataclass(frozen=True)
+class PipelineUsage:
+    """How the card's snippet samples the export with diffusers alone.
+
+    pipeline_class: the diffusers pipeline the base is loaded as (an image-conditioned model's is
+        the image pipeline it samples with: Wan 2.2 TI2V's own folder is a ``WanPipeline``).
+    component: the trained transformer, ``transformer`` or Wan 2.2 A14B's low-noise ``transformer_2``.
+    guidance_keyword: the pipeline call's name for the guidance scale (``true_cfg_scale`` for
+        Qwen-Image); a pipeline whose call takes none but has a ``guider`` (HunyuanVideo 1.5) gets
+        its guider replaced with one at the run's scale.
+    image_conditioned: the snippet loads a conditioning image and passes it as ``image=``.
+    """
+
+    pipeline_class: str = "DiffusionPipeline"
+    component: str = "transformer"
+    guidance_keyword: str = "guidance_scale"
+    image_conditioned: bool = False
+
+    @classmethod
+    def of(cls, policy) -> "PipelineUsage":
+        """The usage of a ``FlowPolicy``'s pipeline."""
+        return cls(type(policy.pipeline).__name__, policy.trained_component, policy.guidance_keyword,
+                   policy.image_conditioned)
+
+    def pipeline_type(self):
+        """The diffusers class, or None for ``DiffusionPipeline`` or a class this diffusers lacks."""
+        import diffusers
+
+        return None if self.pipeline_class == "DiffusionPipeline" else getattr(diffusers, self.pipeline_class, None)
+
+    def snippet_fields(self, settings: dict | None) -> dict:
+        """The template's fields of the snippet: the class, how the weights load, the guider line and
+        the call's keyword arguments (``settings`` less what the pipeline's call does not take)."""
+        cls = self.pipeline_type()
+        call = inspect.signature(cls.__call__).parameters if cls is not None else None
+        takes_guider = cls is not None and "guider" in inspect.signature(cls.__init__).parameters
+        settings = dict(settings or {})
+        guider_scale = None
+        if call is not None and self.guidance_keyword not in call and takes_guider:
+            guider_scale = settings.get(self.guidance_keyword)
+        if call is not None and not any(p.kind is p.VAR_KEYWORD for p in call.values()):
+            settings = {k: v for k, v in settings.items() if k in call}
+        second = self.component == "transformer_2"
+        if cls is None or hasattr(cls, "load_lora_weights"):
+            loader, extra = "pipe.load_lora_weights", ", load_into_transformer_2=True" if second else ""
+        else:  # no LoRA loader on the pipeline: the transformer's own
+            loader, extra = f"pipe.{self.component}.load_lora_adapter", ""
+        return dict(pipeline_class=self.pipeline_class, component=self.component, lora_loader=loader, lora_extra=extra,
+                    guider_scale=guider_scale, call_literal=json.dumps(settings), takes_image=self.image_conditioned)
 
 
 def pipeline_tag_for(is_video: bool, image_conditioned: bool) -> str:
@@ -325,7 +375,7 @@ def write_model_card(
     sample_images: Sequence[str] = (),
     repo_id: str | None = None,
     pipeline_tag: str | None = None,
-    pipeline_class: str | None = None,
+    usage: PipelineUsage = PipelineUsage(),
 ) -> str:
     """Write ``export_dir/README.md`` and return its path; with ``evaluation.settings`` also
     ``export_dir/sampling_config.json``.
@@ -345,12 +395,8 @@ def write_model_card(
             copied to ``export_dir/samples/``).
         repo_id: the Hub repo the card is pushed to; the usage snippet loads from it (else from
             ``export_dir``, and a local base model from its path).
-        pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``; ``"image-to-video"`` and
-            ``"image-to-image"`` (an image-conditioned model) make the snippet load a conditioning
-            image and pass it as ``image=``.
-        pipeline_class: the diffusers pipeline the snippet loads the base as (None:
-            ``DiffusionPipeline``, the base's own class); an image-conditioned model names it, since
-            its base folder may be another class's (Wan 2.2 TI2V's is a ``WanPipeline``).
+        pipeline_tag: e.g. ``"text-to-video"``, ``"text-to-image"``, ``"image-to-video"``.
+        usage: how the snippet loads and calls the pipeline (:class:`PipelineUsage`).
     """
     if not os.path.isdir(export_dir):
         raise FileNotFoundError(f"write_model_card got export_dir={export_dir!r}, which is not a folder.")
@@ -382,8 +428,7 @@ def write_model_card(
         output_name="video" if is_video else "image",
         output_attr="frames" if is_video else "images",
         example_prompt="a cat walking in the snow" if is_video else "a photo of a cat",
-        takes_image=pipeline_tag in IMAGE_CONDITIONED_TAGS,
-        pipeline_class=pipeline_class or "DiffusionPipeline",
+        **usage.snippet_fields(evaluation.settings),
         example_image="first_frame.png" if is_video else "input.png",
     )
     path = os.path.join(export_dir, "README.md")
@@ -420,7 +465,6 @@ def _evaluation_fields(evaluation: CardEvaluation, ode_solver: str) -> dict:
         settings=settings or None,
         settings_text=_settings_text(settings) if settings else "",
         settings_file=SAMPLING_FILE,
-        settings_literal=json.dumps(settings or {}),
         ode_note="" if ode_solver == "euler" else (
             f"Its evaluation integrated with genrl's `{ode_solver}` solver (`eval_genrl.py`); the diffusers pipeline "
             "integrates with Euler, which samples somewhat differently."),
@@ -435,8 +479,7 @@ def write_run_card(
     record: dict,
     *,
     is_video: bool,
-    image_pipeline: str | None = None,
-    guidance_keyword: str = "guidance_scale",
+    usage: PipelineUsage = PipelineUsage(),
     last_eval: dict | None,
     sample_images: Sequence[str],
     repo_id: str | None = None,
@@ -447,9 +490,8 @@ def write_run_card(
     score before training and at the end from the trainer's ``metrics_path`` (``last_eval``, the
     ``eval/*`` values of the last evaluation, when the log holds none), with the base's and the
     final score at the pipeline's defaults where it logged them (``--eval_pipeline_defaults``),
-    and the reward watch's ``watch_alarms``. An image-conditioned model names the pipeline class it
-    samples with (``image_pipeline``), which its snippet loads and passes a conditioning image to;
-    the snippet's guidance goes in as the pipeline's ``guidance_keyword``. Returns its path."""
+    and the reward watch's ``watch_alarms``. ``usage``: how the snippet samples the export
+    (:class:`PipelineUsage`, ``PipelineUsage.of(policy)``). Returns its path."""
     evals = first_and_last_eval(metrics_path)
     defaults = first_and_last_eval(metrics_path, PIPELINE_DEFAULTS + "/")
     args = record["args"]
@@ -457,7 +499,7 @@ def write_run_card(
         metrics=evals[-1][1] if evals else last_eval or None,
         baseline=evals[0][1] if len(evals) > 1 else None,  # before training vs the end
         steps=(evals[0][0], evals[-1][0]) if len(evals) > 1 else None,
-        settings=sampling_settings(args, is_video, guidance_keyword),
+        settings=sampling_settings(args, is_video, usage.guidance_keyword),
         watch_alarms=watch_alarms,
         diversity_text=diversity_sentence(evals[0][1], evals[-1][1], args.get("watch_diversity_fraction"))
         if len(evals) > 1 else "",
@@ -466,4 +508,4 @@ def write_run_card(
                                                  next((v for step, v in defaults[-1:] if step > 0), None)),
     )
     return write_model_card(export_dir, record, evaluation=evaluation, sample_images=sample_images, repo_id=repo_id,
-                            pipeline_tag=pipeline_tag_for(is_video, image_pipeline is not None), pipeline_class=image_pipeline)
+                            pipeline_tag=pipeline_tag_for(is_video, usage.image_conditioned), usage=usage)
