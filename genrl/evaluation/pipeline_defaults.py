@@ -24,24 +24,32 @@ LOG_PREFIX = "eval_pipeline_defaults"
 SETTING_KEYS = ("num_inference_steps", "guidance_scale")
 
 
-def pipeline_call_defaults(pipeline) -> dict[str, float]:
+def pipeline_call_defaults(pipeline, guidance_keyword: str = "guidance_scale") -> dict[str, float]:
     """``{"num_inference_steps": n, "guidance_scale": g}``: the defaults of ``pipeline``'s
-    ``__call__`` (a pipeline instance or class), those of the two it has; the scale of the
-    ``guider`` component of a pipeline that takes none."""
+    ``__call__`` (a pipeline instance or class), those of the two it has, the scale read under the
+    call's ``guidance_keyword`` (the policy's). A true-CFG pipeline (Qwen-Image) guides only when
+    given a negative prompt, which ``pipe(prompt)`` is not: g = 1 there. A pipeline whose call
+    takes no scale but has a ``guider`` component (HunyuanVideo 1.5): the guider's."""
     parameters = inspect.signature(pipeline.__call__).parameters
-    defaults = {key: parameters[key].default for key in SETTING_KEYS
-                if key in parameters and isinstance(parameters[key].default, (int, float))}
+    named = {"num_inference_steps": "num_inference_steps", "guidance_scale": guidance_keyword}
+    defaults = {key: parameters[name].default for key, name in named.items()
+                if name in parameters and isinstance(parameters[name].default, (int, float))}
+    negative = parameters.get("negative_prompt")
+    if guidance_keyword == "true_cfg_scale" and negative is not None and negative.default is None:
+        defaults["guidance_scale"] = 1.0
     guider = getattr(pipeline, "guider", None)  # HunyuanVideo 1.5
     if guider is not None and "guidance_scale" not in defaults:
         defaults["guidance_scale"] = float(guider.guidance_scale)
     return defaults
 
 
-def at_pipeline_defaults(config: SamplingConfig, pipeline) -> SamplingConfig:
-    """``config`` (an evaluation's) with the pipeline's default steps and guidance, integrated
-    with Euler as the pipeline's scheduler does and without a negative prompt; the size, prompts
-    and noise stay the evaluation's, so that only how the model is sampled changes."""
-    return dataclasses.replace(config, **pipeline_call_defaults(pipeline), ode_solver="euler", negative_prompt="")
+def at_pipeline_defaults(config: SamplingConfig, pipeline, guidance_keyword: str = "guidance_scale") -> SamplingConfig:
+    """``config`` (an evaluation's) with the pipeline's default steps and guidance
+    (``pipeline_call_defaults``), integrated with Euler as the pipeline's scheduler does and
+    without a negative prompt; the size, prompts and noise stay the evaluation's, so that only how
+    the model is sampled changes."""
+    return dataclasses.replace(config, **pipeline_call_defaults(pipeline, guidance_keyword), ode_solver="euler",
+                               negative_prompt="")
 
 
 def settings_text(settings: dict) -> str:

@@ -418,7 +418,7 @@ def eval_plan(args: argparse.Namespace, prompts: PromptSet, reward_fn: RewardFn,
                             keep_samples=args.eval_log_samples, samples_per_prompt=args.eval_samples_per_prompt)
     return EvalPlan(prompts, reward_fn, settings, video_fps=args.eval_video_fps, probe_prompts=args.eval_diversity_prompts,
                     probe_samples=args.eval_diversity_samples,
-                    pipeline_defaults=at_pipeline_defaults(sampling, policy.pipeline) if args.eval_pipeline_defaults else None)
+                    pipeline_defaults=at_pipeline_defaults(sampling, policy.pipeline, policy.guidance_keyword) if args.eval_pipeline_defaults else None)
 
 
 def resume(run: Run) -> None:
