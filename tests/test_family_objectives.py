@@ -19,6 +19,9 @@ from genrl.training.rollout import SamplingConfig, sample_rollout
 from genrl.training.trainable import make_trainable
 from genrl.training.update import update_policy
 
+# The extended lane: it repeats, on every family, the update path the default lane runs on SD3 (tests/test_update.py).
+pytestmark = pytest.mark.extended
+
 PROMPTS = ["a red circle", "a red circle", "a blue square", "a blue square"]
 GROUP_INDICES = [0, 1, 0, 1]
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])
