@@ -60,10 +60,10 @@ import gc
 import time
 
 import torch
-from bench_rollout import measure_rollout
-from bench_train_step import build_single_process_accelerator, build_zero2_bf16_accelerator, measure_ppo_step, ppo_step
 
 import common
+from bench_rollout import measure_rollout
+from bench_train_step import build_single_process_accelerator, build_zero2_bf16_accelerator, measure_ppo_step, ppo_step
 from common import PeakMemory, emit, synchronize
 
 # Wan-AI/Wan2.1-T2V-1.3B-Diffusers transformer/config.json values.
@@ -356,7 +356,7 @@ def main(args) -> list[dict]:
                               "overhead_ratio", "ppo_step_s", "bare_fwd_bwd_s", "gradient_checkpointing", "mfu",
                               "peak_mem_mb"], title="Wan2.1-T2V-1.3B architecture, random weights")
     if args.profile:
-        from genrl.training.rollout import index_rollout, sample_rollout
+        from genrl.training.rollout import SampleBatch, index_rollout, sample_rollout
 
         prompts, indices = common.group_prompts(args.group_size, args.group_size)
         batch = index_rollout(recorded, list(range(args.train_batch_size)))
@@ -364,7 +364,8 @@ def main(args) -> list[dict]:
 
         def rollout_once():
             model.eval()
-            sample_rollout(policy, model, prompts, indices, seed=0, epoch=0, config=sampling, device=device)
+            sample_rollout(policy, model, SampleBatch(prompts, indices, seed=0, epoch=0),
+                           config=sampling, device=device)
 
         def train_once():
             model.train()

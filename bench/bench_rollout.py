@@ -51,13 +51,14 @@ def measure_rollout(
     samples_per_s, frames_per_s (None for images), peak_mem_mb, bare_peak_mem_mb, start_mem_mb.
     """
     from genrl.policies.base import unwrap_module
-    from genrl.training.rollout import sample_rollout
+    from genrl.training.rollout import SampleBatch, sample_rollout
 
     prompts, indices = group_prompts(batch_size, group_size)
     height, width, frames = policy.resolve_size(config.height, config.width, config.num_frames)
 
     def rollout():
-        return sample_rollout(policy, transformer, prompts, indices, seed=seed, epoch=0, config=config, device=device)
+        return sample_rollout(policy, transformer, SampleBatch(prompts, indices, seed=seed, epoch=0),
+                              config=config, device=device)
 
     with PeakMemory(device) as mem, capture_forward_inputs(unwrap_module(transformer)) as calls:
         rollout()

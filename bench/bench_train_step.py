@@ -26,9 +26,9 @@ import statistics
 import time
 
 import torch
-from bench_rollout import FULL_SIZES, QUICK_SIZES
 
 import common
+from bench_rollout import FULL_SIZES, QUICK_SIZES
 from common import PeakMemory, capture_forward_inputs, emit, group_prompts, synchronize, time_interleaved
 
 
@@ -138,11 +138,12 @@ def prepare_training(policy, accelerator, learning_rate: float = 1e-6):
 
 def record_rollout(policy, model, *, batch_size: int, group_size: int, config, device: torch.device, seed: int = 0):
     """A real ``sample_rollout`` of ``model``: the transitions the PPO step trains on."""
-    from genrl.training.rollout import sample_rollout
+    from genrl.training.rollout import SampleBatch, sample_rollout
 
     prompts, indices = group_prompts(batch_size, group_size)
     model.eval()
-    return sample_rollout(policy, model, prompts, indices, seed=seed, epoch=0, config=config, device=device)
+    return sample_rollout(policy, model, SampleBatch(prompts, indices, seed=seed, epoch=0),
+                          config=config, device=device)
 
 
 def build_single_process_accelerator(device: torch.device, mixed_precision: str):

@@ -41,9 +41,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_train_step import ppo_step  # noqa: E402
-
 import common  # noqa: E402
+from bench_train_step import ppo_step  # noqa: E402
 from common import PeakMemory, current_memory_mb, group_prompts, synchronize, tensor_memory_mb  # noqa: E402
 
 
@@ -75,7 +74,7 @@ def main(args) -> dict:
     from genrl.distributed.zero3 import size_zero3_buckets, zero_init_disabled
     from genrl.distributed.zero_init import zero3_init_requested
     from genrl.policies import load_policy
-    from genrl.training.rollout import SamplingConfig, sample_rollout
+    from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 
     accelerator = build_accelerator(output_dir=args.output_dir, mixed_precision=args.mixed_precision)
     configure_deepspeed(accelerator, micro_batch_size=args.batch_size, max_grad_norm=1.0)
@@ -123,7 +122,8 @@ def main(args) -> dict:
     model.eval()
 
     def rollout():
-        return sample_rollout(policy, model, prompts, indices, seed=0, epoch=0, config=config, device=device)
+        return sample_rollout(policy, model, SampleBatch(prompts, indices, seed=0, epoch=0),
+                              config=config, device=device)
 
     with PeakMemory(device) as mem:
         recorded = rollout()

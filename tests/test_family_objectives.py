@@ -15,7 +15,7 @@ from genrl.objectives import OBJECTIVES, UpdateConfig
 from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 from genrl.training.experience import EpochAdvantages, EpochExperience
 from genrl.training.nan_guard import NonFiniteGuard
-from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 from genrl.training.trainable import make_trainable
 from genrl.training.update import update_policy
 
@@ -48,7 +48,8 @@ def one_update(policy, objective: str, use_lora: bool, sampling: SamplingConfig)
     trainable = make_trainable(model, use_lora=use_lora, rank=4, lora_alpha=8, lora_target_modules="to_q,to_k,to_v,to_out.0",
                                gradient_checkpointing=False, float32=True)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    rollout = sample_rollout(policy, model, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=sampling, device="cpu")
+    rollout = sample_rollout(policy, model, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                             config=sampling, device="cpu")
     config = UpdateConfig(objective=objective, micro_batch_size=2, num_timesteps=2, num_inference_steps=4,
                           guidance_scale=sampling.guidance_scale, max_grad_norm=1.0, clip_range=0.2, adv_clip_max=5.0)
     optimizer = torch.optim.SGD(trainable, lr=1e-1)

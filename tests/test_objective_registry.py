@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 from accelerate import Accelerator
-from test_bad_input import args_with, parse_error
 
 from genrl.objectives import OBJECTIVES, Objective, UpdateConfig
 from genrl.testing.tiny_pipelines import build_tiny_policy
 from genrl.training import train_args
 from genrl.training.experience import EpochAdvantages, EpochExperience
 from genrl.training.nan_guard import NonFiniteGuard
-from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 from genrl.training.update import update_policy
+
+from test_bad_input import args_with, parse_error
 
 torch.set_num_threads(2)
 
@@ -81,8 +82,8 @@ def test_update_policy_trains_a_registered_objective(push):
     policy = build_tiny_policy("sd3").to("cpu")
     sampling = SamplingConfig(num_inference_steps=4, guidance_scale=1.0, noise_level=0.0, same_latent=False)
     prompts, group_indices = ["a red circle"] * 2 + ["a blue square"] * 2, [0, 1, 0, 1]
-    rollout = sample_rollout(policy, policy.transformer, prompts, group_indices, seed=3, epoch=0, config=sampling,
-                             device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, group_indices, seed=3, epoch=0),
+                             config=sampling, device="cpu")
     config = UpdateConfig(objective="push", micro_batch_size=2, num_timesteps=2, num_inference_steps=4, guidance_scale=1.0,
                           max_grad_norm=1.0, clip_range=1e-3, adv_clip_max=5.0)
     model = policy.transformer

@@ -19,7 +19,7 @@ from genrl.objectives import (
     steps_in_sigma_range,
 )
 from genrl.testing.tiny_pipelines import FAMILIES, build_tiny_policy
-from genrl.training.rollout import SamplingConfig, concat_rollouts, index_rollout, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, concat_rollouts, index_rollout, sample_rollout
 
 torch.set_num_threads(2)
 
@@ -34,7 +34,8 @@ def policies():
 
 def _rollout(policy, guidance_scale=3.0, noise_level=0.0, steps=4):
     config = SamplingConfig(num_inference_steps=steps, guidance_scale=guidance_scale, noise_level=noise_level, same_latent=False)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=3, epoch=1, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=3, epoch=1),
+                             config=config, device="cpu")
     return rollout, config
 
 
@@ -252,7 +253,8 @@ def test_guarded_grpo_step_is_on_policy_and_moves_with_the_recorded_means(polici
     rollout, config = _rollout(policy, guidance_scale=2.0, noise_level=0.8)
     assert rollout.means is None, "means are recorded only when asked"
     config = dataclasses.replace(config, record_means=True)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=3, epoch=1, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=3, epoch=1),
+                             config=config, device="cpu")
     joined = concat_rollouts([index_rollout(rollout, [2, 3]), index_rollout(rollout, [0, 1])])
     assert joined.means.shape == joined.latents.shape
     idx, steps, adv = torch.tensor([0, 3]), torch.tensor([1, 0]), torch.tensor([1.0, 2.0, 3.0, 4.0])

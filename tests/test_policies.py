@@ -42,7 +42,7 @@ from genrl.testing.tiny_pipelines import (
     build_tiny_pipeline,
     save_tiny_pipeline,
 )
-from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 
 torch.set_num_threads(2)
 
@@ -382,13 +382,13 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         prompts[1] = 'a sign that says "open" near a tree'
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
     images = [_image(0)] * 2 if policy.image_conditioned else None
-    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
-                             images=images)
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=images),
+                             config=config, device="cpu")
     assert rollout.num_steps == 0
     if images is not None:
         extra["image"] = images[0]
-        other = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
-                               images=[_image(1)] * 2)
+        other = sample_rollout(policy, policy.transformer, SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=[_image(1)] * 2),
+                               config=config, device="cpu")
         assert (other.samples - rollout.samples).abs().max() > 0.01, "the image must condition the samples"
 
     image_id = image_digest(images[0]) if images is not None else None  # a record's seeds include its image
@@ -481,8 +481,8 @@ def test_qwenimage_edit_samples_as_its_pipeline(family, guidance_scale, policies
     assert policy.condition_sizes(32, 32)[1] == (1024, 1024)
     prompts, image = ["a red circle above a blue square", "three green triangles"], _image(0, 40, 40)
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
-    rollout = sample_rollout(policy, policy.transformer, prompts, [0, 0], seed=7, epoch=0, config=config, device="cpu",
-                             images=[image] * 2)
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=[image] * 2),
+                             config=config, device="cpu")
     latents = policy.prepare_latents([latent_generator(p, 7, 0, 0, True, image_digest(image)) for p in prompts], 32, 32, 1,
                                      "cpu")
     pack = type(policy.pipeline)._pack_latents

@@ -10,6 +10,7 @@ import torch
 
 from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build_tiny_policy
 from genrl.training.rollout import (
+    SampleBatch,
     SamplingConfig,
     concat_rollouts,
     decode_in_chunks,
@@ -38,7 +39,8 @@ def test_recomputed_log_probs_equal_recorded_ones(family, guidance_scale, window
         num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.9, sde_window_size=window
     )
     prompts, indices = [PROMPTS[0], PROMPTS[2]], [1, 0]
-    rollout = sample_rollout(policy, policy.transformer, prompts, indices, seed=1, epoch=2, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, indices, seed=1, epoch=2),
+                             config=config, device="cpu")
     expected_steps = window if window else config.num_inference_steps - 1  # the step to sigma' = 0 is not recorded
     assert rollout.log_probs.shape == (2, expected_steps)
     assert rollout.latents.shape[:2] == rollout.next_latents.shape[:2] == (2, expected_steps)
@@ -81,7 +83,8 @@ def test_records_only_the_stochastic_steps_of_the_window(policies):
     config = SamplingConfig(
         num_inference_steps=8, guidance_scale=1.0, sde_window_size=3, sde_window_range=(2, 7)
     )
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=4, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=4, epoch=0),
+                             config=config, device="cpu")
     steps = rollout.step_indices
     assert steps.shape == (3, 3) and steps.dtype == torch.long
     assert (steps[:, 1:] - steps[:, :-1] == 1).all()  # consecutive
@@ -98,7 +101,8 @@ def test_records_only_the_stochastic_steps_of_the_window(policies):
 def test_deterministic_sampling_records_nothing(policies):
     policy = policies["flux"]
     config = SamplingConfig(num_inference_steps=3, noise_level=0.0)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                             config=config, device="cpu")
     assert rollout.log_probs.shape == (3, 0) and rollout.latents.shape == (3, 0, 4, 8, 8)
     assert rollout.samples.shape == (3, 3, 1, 32, 32)
 
@@ -109,9 +113,10 @@ def test_on_step_sees_each_state_and_the_velocity_taken_and_changes_nothing(poli
     policy = policies["sd3"]
     config = SamplingConfig(num_inference_steps=3, noise_level=0.7, guidance_scale=3.0)
     seen = []
-    watched = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config,
-                             device="cpu", on_step=lambda x, t, embeds, v: seen.append((x.clone(), t.clone(), v.clone())))
-    plain = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    watched = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                             config=config, device="cpu", on_step=lambda x, t, embeds, v: seen.append((x.clone(), t.clone(), v.clone())))
+    plain = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                           config=config, device="cpu")
     assert torch.equal(watched.samples, plain.samples) and torch.equal(watched.log_probs, plain.log_probs)
     assert len(seen) == 3 and all(x.shape == (3, 4, 8, 8) and t.shape == (3,) for x, t, _ in seen)
     # The recorded stochastic steps start at the states on_step saw.
@@ -125,7 +130,8 @@ def test_on_step_sees_each_state_and_the_velocity_taken_and_changes_nothing(poli
 def test_step_log_prob_carries_gradients_to_the_transformer(policies):
     policy = policies["wan"]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=2.0, sde_window_size=1)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], GROUP_INDICES[:2], seed=0, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS[:2], GROUP_INDICES[:2], seed=0, epoch=0),
+                             config=config, device="cpu")
     policy.transformer.zero_grad()
     out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     out.log_prob.sum().backward()
@@ -137,7 +143,8 @@ def test_step_log_prob_carries_gradients_to_the_transformer(policies):
 def test_index_and_concat_round_trip(policies):
     policy = policies["sd3"]
     config = SamplingConfig(num_inference_steps=3, guidance_scale=2.0)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                             config=config, device="cpu")
     parts = [index_rollout(rollout, [2]), index_rollout(rollout, torch.tensor([0, 1]))]
     assert parts[0].prompts == [PROMPTS[2]] and parts[0].embeds["negative_prompt_embeds"].shape[0] == 1
     joined = concat_rollouts(parts)
@@ -159,9 +166,11 @@ def test_bad_configs_fail_early(policies):
     policy = policies["sd3"]
     config = SamplingConfig(num_inference_steps=4, sde_window_size=3, sde_window_range=(2, None))
     with pytest.raises(ValueError, match="sde_window_range"):
-        sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+        sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                       config=config, device="cpu")
     with pytest.raises(ValueError, match="group index"):
-        sample_rollout(policy, policy.transformer, PROMPTS, [0], seed=0, epoch=0, config=SamplingConfig(), device="cpu")
+        sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, [0], seed=0, epoch=0),
+                       config=SamplingConfig(), device="cpu")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -174,8 +183,10 @@ def test_decoding_in_chunks_gives_the_one_at_a_time_samples(family, policies, mo
     calls = []
     decode = policy.decode
     monkeypatch.setattr(policy, "decode", lambda latents: calls.append(len(latents)) or decode(latents))
-    a = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=one, device="cpu")
-    b = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=chunked, device="cpu")
+    a = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                       config=one, device="cpu")
+    b = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                       config=chunked, device="cpu")
     assert calls == [1, 1, 1, 2, 2]
     assert torch.equal(a.final_latents, b.final_latents)
     assert a.samples.shape == b.samples.shape and a.samples.shape[0] == len(PROMPTS) == 3
@@ -210,8 +221,8 @@ def test_ab2_starts_with_euler_moves_on_in_second_order_and_leaves_sde_steps_alo
     def run(solver: str, noise_level: float, **extra):
         states = []
         config = SamplingConfig(num_inference_steps=4, noise_level=noise_level, guidance_scale=3.0, ode_solver=solver, **extra)
-        rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config,
-                                 device="cpu", on_step=lambda x, t, embeds, v: states.append((x.clone(), v.clone())))
+        rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                                 config=config, device="cpu", on_step=lambda x, t, embeds, v: states.append((x.clone(), v.clone())))
         return rollout, states
 
     euler, euler_states = run("euler", 0.0)
@@ -245,7 +256,8 @@ def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(exper
     sizes = {f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS["wan2.2-a14b"].items()}
     policy = WanPolicy(build_tiny_pipeline("wan2.2-a14b"), expert=expert, guidance_scale_2=2.0, **sizes).to("cpu")
     config = SamplingConfig(num_inference_steps=4, guidance_scale=3.0, noise_level=0.9)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS[:2], [0, 1], seed=1, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS[:2], [0, 1], seed=1, epoch=0),
+                             config=config, device="cpu")
     batch = rollout.all_transitions()
     assert policy.expert_of(batch.timesteps).any() and not policy.expert_of(batch.timesteps).all(), "the batch must mix the experts"
     out = step_log_prob(policy, policy.transformer, batch, config=config)
@@ -263,8 +275,8 @@ def test_image_conditioned_families_recompute_their_log_probs(family, guidance_s
     policy = build_tiny_policy(family).to("cpu")
     images = [PIL.Image.fromarray((np.random.RandomState(s).rand(24, 40, 3) * 255).astype(np.uint8)) for s in (0, 1)]
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.9)
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=1, epoch=0, config=config,
-                             device="cpu", images=[images[0], images[0], images[1]])
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=1, epoch=0, images=[images[0], images[0], images[1]]),
+                             config=config, device="cpu")
     assert all(v.shape[0] == 3 for v in rollout.embeds.values())
     out = step_log_prob(policy, policy.transformer, rollout.all_transitions(), config=config)
     torch.testing.assert_close(out.log_prob, rollout.log_probs.flatten(), rtol=0, atol=1e-5)
@@ -281,7 +293,8 @@ def test_transitions_pick_each_sample_at_its_own_step(policies):
     with it; ``all_transitions`` is every record, sample-major, as the flattened ``(B, S)`` records."""
     policy = policies["sd3"]
     config = SamplingConfig(**{**TINY_SAMPLING_DEFAULTS["sd3"], "sde_window_size": 3})
-    rollout = sample_rollout(policy, policy.transformer, PROMPTS, GROUP_INDICES, seed=0, epoch=0, config=config, device="cpu")
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+                             config=config, device="cpu")
     idx, steps = torch.tensor([2, 0]), torch.tensor([1, 2])
     batch = rollout.transitions(idx, steps)
     for i, (sample, step) in enumerate(zip(idx.tolist(), steps.tolist())):

@@ -18,7 +18,7 @@ from genrl.data.prompt_images import image_digest
 from genrl.data.seeding import forward_generator, latent_generator, noise_generator, prompt_seed, window_generator
 from genrl.objectives.forward import draw_forward_batch
 from genrl.testing.tiny_pipelines import build_tiny_policy
-from genrl.training.rollout import SamplingConfig, concat_rollouts, sample_rollout, stochastic_steps
+from genrl.training.rollout import SampleBatch, SamplingConfig, concat_rollouts, sample_rollout, stochastic_steps
 
 torch.set_num_threads(2)
 
@@ -83,7 +83,8 @@ def flux():  # the cheapest to decode: for checks that do not depend on the fami
 
 
 def _rollout(policy, prompts, indices, config, epoch=0):
-    return sample_rollout(policy, policy.transformer, prompts, indices, seed=11, epoch=epoch, config=config, device="cpu")
+    return sample_rollout(policy, policy.transformer, SampleBatch(prompts, indices, seed=11, epoch=epoch),
+                          config=config, device="cpu")
 
 
 def test_batch_layout_does_not_change_trajectories(wan):
@@ -167,8 +168,8 @@ def test_records_of_one_text_draw_their_own_noise_for_each_image(tmp_path):
     copy = open(first, "rb").read()
     prompts, indices, images = ["a cat"] * 3, [0] * 3, [first, second, copy]
     config = SamplingConfig(num_inference_steps=3, guidance_scale=1.0, noise_level=0.7)
-    rollout = sample_rollout(policy, policy.transformer, prompts, indices, seed=11, epoch=0, config=config, device="cpu",
-                             images=images)
+    rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, indices, seed=11, epoch=0, images=images),
+                             config=config, device="cpu")
     initial = rollout.latents[:, 0]  # no window: step 0 is stochastic, its state is the initial noise
     assert not torch.allclose(initial[0], initial[1]) and torch.equal(initial[0], initial[2])
     expected = policy.prepare_latents([latent_generator("a cat", 11, 0, 0, True, image_digest(second))], 32, 32, 5, "cpu")

@@ -39,7 +39,7 @@ from genrl.data.prompt_images import condition_preview
 from genrl.data.prompts import PromptSet
 from genrl.policies.base import FlowPolicy
 from genrl.rewards.layouts import prepare_images_tensor
-from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 
 NOISE_DRAW_STRIDE = 1000
 
@@ -158,10 +158,8 @@ def sample_deterministic(
     height, width, num_frames = policy.resolve_size(config.height, config.width, config.num_frames)
     latents = policy.prepare_latents([generator] * batch, height, width, num_frames, device)
     ode = dataclasses.replace(config, noise_level=0.0, sde_window_size=0, sde_window_range=(0, None))
-    rollout = sample_rollout(
-        policy, transformer, prompts, [0] * batch, seed=0, epoch=0, config=ode, device=device, initial_latents=latents,
-        images=images,
-    )
+    rollout = sample_rollout(policy, transformer, SampleBatch(prompts, [0] * batch, seed=0, epoch=0, images=images),
+                             config=ode, device=device, initial_latents=latents)
     return rollout.samples
 
 

@@ -26,7 +26,7 @@ from genrl.math.advantages import (
     zero_std_ratio,
 )
 from genrl.rewards import RewardScorer, cached_reward_models, on_device
-from genrl.training.rollout import Rollout, concat_rollouts, sample_rollout
+from genrl.training.rollout import Rollout, SampleBatch, concat_rollouts, sample_rollout
 
 if TYPE_CHECKING:
     from genrl.training.run import Run
@@ -69,8 +69,8 @@ def collect_rollouts(run: Run, epoch: int, *, stop: Callable[[], bool] | None = 
         prompts = [prompt_set.prompts[i] for i, _ in batch]
         metadata = [prompt_set.metadata[i] for i, _ in batch]
         images = [prompt_set.images[i] for i, _ in batch] if prompt_set.images is not None else None
-        rollout = sample_rollout(run.policy, run.model, prompts, [k for _, k in batch], seed=run.args.seed, epoch=epoch,
-                                 config=run.sampling, device=device, images=images)
+        rollout = sample_rollout(run.policy, run.model, SampleBatch(prompts, [k for _, k in batch], seed=run.args.seed, epoch=epoch, images=images),
+                                 config=run.sampling, device=device)
         run.guard.check_samples(accelerator, rollout.samples, epoch, run.global_step)  # before any reward sees them
         scorer.submit(rollout.samples, prompts, metadata)  # samples are already on the CPU
         rollouts.append(rollout)

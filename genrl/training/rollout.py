@@ -232,34 +232,46 @@ def stochastic_steps(
     return mask
 
 
+@dataclass(frozen=True)
+class SampleBatch:
+    """The B samples to draw, and all that decides each one's noise (``genrl.data.seeding``).
+
+    prompts: each sample's prompt; group_indices: its index within its prompt's group.
+    seed, epoch: the run's seed and the epoch (evaluation: its own seed, epoch 0).
+    images: image-conditioned policies' conditioning image of each sample
+        (``genrl.data.prompt_images``), encoded into the embeddings (once per distinct image) and,
+        by its content's digest, part of the sample's seeds, so that records of one text and
+        different images draw their own noise; None for the text-only ones.
+    """
+
+    prompts: list[str]
+    group_indices: list[int]
+    seed: int
+    epoch: int
+    images: Sequence | None = None
+
+
 @torch.no_grad()
 def sample_rollout(
     policy: FlowPolicy,
     transformer: torch.nn.Module,
-    prompts: list[str],
-    group_indices: list[int],
+    spec: SampleBatch,
     *,
-    seed: int,
-    epoch: int,
     config: SamplingConfig,
     device: torch.device | str,
     initial_latents: torch.Tensor | None = None,
     on_step: Callable[[torch.Tensor, torch.Tensor, dict, torch.Tensor], None] | None = None,
-    images: Sequence | None = None,
 ) -> Rollout:
-    """Sample ``prompts`` (``group_indices[i]`` = index of sample i within its prompt's group)
-    with ``transformer`` and record every stochastic step. Decoded samples land on the CPU.
+    """Sample ``spec`` with ``transformer`` and record every stochastic step. Decoded samples
+    land on the CPU.
 
     ``initial_latents`` ``(B, *latent_shape)`` replaces the per-sample initial noise (evaluation
     draws its own, sequentially from one generator); the SDE noise still comes from the
     per-sample generators. ``on_step(latents, timesteps, embeds, velocity)`` is called at every
     step with the state ``(B, ...)``, its timesteps ``(B,)``, the prompt embeddings and the
     model's (guided) velocity there (the reward watch measures drift from the reference there;
-    with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one).
-    ``images``: image-conditioned policies' conditioning image of each sample (``genrl.data.prompt_images``),
-    encoded into the embeddings (once per distinct image) and, by its content's digest, part of the
-    sample's seeds, so that records of one text and different images draw their own noise; None
-    for the text-only ones."""
+    with ``ode_solver="ab2"`` a deterministic step moves along a blend of it and the previous one)."""
+    prompts, group_indices, seed, epoch, images = spec.prompts, spec.group_indices, spec.seed, spec.epoch, spec.images
     if len(prompts) != len(group_indices) or not prompts:
         raise ValueError(
             f"Need one group index per prompt; got {len(prompts)} prompts and {len(group_indices)} indices."

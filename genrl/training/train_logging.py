@@ -29,7 +29,7 @@ from genrl.evaluation.reward_watch import RewardWatch, group_diversity
 from genrl.math.nft import velocity_kl
 from genrl.policies.base import FlowPolicy
 from genrl.training.console import eval_line
-from genrl.training.rollout import SamplingConfig, sample_rollout
+from genrl.training.rollout import SampleBatch, SamplingConfig, sample_rollout
 
 if TYPE_CHECKING:
     from genrl.training.run import Run
@@ -146,9 +146,8 @@ def watch_probe(
     groups = []
     for i in spread_indices(len(plan.prompts), plan.probe_prompts):  # one prompt's samples per call
         images = [plan.prompts.images[i]] * k if plan.prompts.images is not None else None
-        rollout = sample_rollout(policy, model, [plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.settings.seed,
-                                 epoch=0, config=config, device=device, on_step=measure_drift if reference else None,
-                                 images=images)
+        rollout = sample_rollout(policy, model, SampleBatch([plan.prompts.prompts[i]] * k, list(range(k)), seed=plan.settings.seed, epoch=0, images=images),
+                                 config=config, device=device, on_step=measure_drift if reference else None)
         groups.append(rollout.samples)
     values = {"eval/diversity": group_diversity(torch.stack(groups))}
     if drifts:
