@@ -18,6 +18,7 @@ from genrl.testing.tiny_pipelines import FAMILIES, TINY_SAMPLING_DEFAULTS, build
 from genrl.training.trainable import make_trainable
 
 GUIDANCE = 2.0
+GUIDANCE_2 = 3.0
 
 
 def adapter_free(name: str) -> str:
@@ -48,6 +49,8 @@ def test_the_cards_snippet_samples_the_trained_weights_with_the_runs_settings(fa
     size = TINY_SAMPLING_DEFAULTS[family]
     args = {"num_inference_steps": 2, "guidance_scale": GUIDANCE, "height": size["height"], "width": size["width"],
             "num_frames": size["num_frames"], "max_sequence_length": 16}
+    if expert:  # the run's own scale for the low-noise steps, which WanPipeline otherwise sets to guidance_scale
+        args["guidance_scale_2"] = GUIDANCE_2
     record = {"base_model": base, "reward_fn": "r", "args": args, "launch_command": "x", "family": family}
     card = write_run_card(export, str(tmp_path / "none.jsonl"), record, is_video=policy.is_video,
                           usage=PipelineUsage.of(policy), last_eval={}, sample_images=[])
@@ -70,3 +73,4 @@ def test_the_cards_snippet_samples_the_trained_weights_with_the_runs_settings(fa
         assert pipe.guider.config.guidance_scale == GUIDANCE
     else:
         assert settings[policy.guidance_keyword] == GUIDANCE
+    assert settings.get("guidance_scale_2") == (GUIDANCE_2 if expert else None)

@@ -105,3 +105,10 @@ def test_zero2_lora_grpo_loads_into_the_transformer_and_evaluates_as_in_training
     run_script("eval_genrl.py", ["--model", out, "--output_dir", str(tmp_path / "eval")])
     metrics = json.load(open(tmp_path / "eval" / "metrics.json"))["metrics"]
     assert metrics[REWARD]["mean"] == pytest.approx(last_eval(out), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_zero3_full_nft_trains_every_weight_partitioned_and_evaluates_as_in_training(prompt_file, tmp_path):
+    from test_image_families import train_export_and_evaluate
+
+    train_export_and_evaluate("hunyuanvideo15", "nft", False, "zero3", prompt_file, tmp_path)

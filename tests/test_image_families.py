@@ -42,11 +42,22 @@ def edit_prompts(tmp_path_factory) -> str:
     ("qwenimage", "awm", True, "zero2"),
     ("flux2", "nft", False, "zero2"),
     ("qwenimage-edit", "grpo", True, "zero2"),
-    ("zimage", "grpo", False, "zero3"),  # every weight partitioned across the ranks, gathered for the export
+    # ZeRO-3: every trained weight partitioned across the ranks, gathered for the export.
+    ("zimage", "grpo", False, "zero3"),
     ("qwenimage", "nft", True, "zero3"),
+    ("flux2-klein", "awm", True, "zero3"),
+    ("flux2", "grpo", True, "zero3"),  # the guidance embedding's weights partitioned too
+    ("qwenimage-edit", "nft", False, "zero3"),
 ])
 def test_two_processes_train_export_and_evaluate_as_in_training(family, objective, use_lora, config, prompt_file,
                                                                 edit_prompts, tmp_path):
+    editing = family.startswith("qwenimage-edit")
+    train_export_and_evaluate(family, objective, use_lora, config, edit_prompts if editing else prompt_file, tmp_path)
+
+
+def train_export_and_evaluate(family: str, objective: str, use_lora: bool, config: str, prompts: str, tmp_path) -> None:
+    """Two processes train ``family`` with ``objective``; the export loads with diffusers alone and
+    ``eval_genrl.py`` on it repeats the run's last evaluation."""
     import diffusers
 
     from genrl.testing.tiny_pipelines import save_tiny_pipeline
@@ -55,7 +66,7 @@ def test_two_processes_train_export_and_evaluate_as_in_training(family, objectiv
     out = str(tmp_path / "out")
     extra = ["--use_lora", "--rank", "4", "--lora_alpha", "8"] if use_lora else []
     editing = family.startswith("qwenimage-edit")
-    args = objective_args(model, edit_prompts if editing else prompt_file, out, objective, *extra)
+    args = objective_args(model, prompts, out, objective, *extra)
     if objective == "grpo":  # GRPO trains the recorded SDE steps
         args[args.index("--noise_level") + 1] = "0.7"
     run_script("train_genrl.py", args, config=config, num_processes=2)

@@ -241,8 +241,9 @@ def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guida
     """The keyword arguments of a diffusers pipeline call that samples as the run's evaluation
     did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
     guidance (under the pipeline's ``guidance_keyword``), size, frames and text length where the
-    run set them, the negative prompt where guidance uses it. A ``true_cfg_scale`` pipeline
-    (Qwen-Image) guides only when given a negative prompt: there it is passed even empty."""
+    run set them, the negative prompt where guidance uses it, and Wan 2.2 A14B's low-noise scale
+    ``guidance_scale_2`` where the run fixed one. A ``true_cfg_scale`` pipeline (Qwen-Image) guides
+    only when given a negative prompt: there it is passed even empty."""
     guidance = args.get("eval_guidance_scale")
     guidance = args.get("guidance_scale") if guidance is None else guidance
     guided = guidance is not None and guidance > 1
@@ -253,6 +254,7 @@ def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guida
         "width": args.get("width"),
         "num_frames": args.get("num_frames") if is_video else None,
         "max_sequence_length": args.get("max_sequence_length"),
+        "guidance_scale_2": args.get("guidance_scale_2"),
     }
     settings = {k: v for k, v in settings.items() if v not in (None, "")}
     negative = args.get("negative_prompt") or ""
