@@ -1,9 +1,9 @@
 """The image families beyond SD3 and FLUX.1 (Z-Image, FLUX.2 [klein] and [dev], Qwen-Image, Qwen-Image-Edit from prompts
-with images) through the real scripts: two processes
-under the shipped ZeRO-2 config train one objective each (LoRA or every weight), the export loads
-as diffusers loads it, and eval_genrl.py on the export gives the training's last evaluation.
-(Sampling parity with the pipelines, log-prob recomputation and the other objectives' losses
-run in process: test_policies, test_rollout, test_objectives.)"""
+with images) through the real scripts: two processes under the shipped ZeRO-2 and ZeRO-3
+configs train each family once with LoRA and once with every weight (two objectives per family),
+the export loads as diffusers loads it, and eval_genrl.py on the export gives the training's last
+evaluation. (Sampling parity with the pipelines, log-prob recomputation and every objective x mode's
+update run in process: test_policies, test_rollout, test_family_objectives.)"""
 
 import json
 import os
@@ -40,6 +40,7 @@ def edit_prompts(tmp_path_factory) -> str:
     ("zimage", "nft", True, "zero2"),
     ("flux2-klein", "grpo", False, "zero2"),
     ("qwenimage", "awm", True, "zero2"),
+    ("qwenimage", "grpo", False, "zero2"),
     ("flux2", "nft", False, "zero2"),
     ("qwenimage-edit", "grpo", True, "zero2"),
     # ZeRO-3: every trained weight partitioned across the ranks, gathered for the export.
