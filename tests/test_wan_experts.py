@@ -70,11 +70,11 @@ def test_nft_trains_the_low_noise_expert_alone_under_zero3_and_eval_reproduces_i
         evaluations[-1]["eval/jpeg_compressibility_mean"], abs=1e-6), (scores["metrics"], evaluations[-1])
 
 
-def test_grpo_with_lora_trains_the_high_noise_expert_within_its_steps(a14b, prompt_file, tmp_path):
+def test_grpo_with_lora_trains_the_high_noise_expert_within_its_steps_under_zero2(a14b, prompt_file, tmp_path):
     out = str(tmp_path / "high")
     run_script("train_genrl.py", args(a14b, prompt_file, out, "--wan_expert", "high", "--use_lora", "--rank", "4",
                                       "--sde_window_size", "1", "--sde_window_range", "0", "1", "--guidance_scale", "2",
-                                      "--guidance_scale_2", "1.5"))
+                                      "--guidance_scale_2", "1.5"), config="zero2", num_processes=2)
     policy = load_trained_policy(out)
     assert policy.expert == "high" and policy.guidance_scale_2 == 1.5
     assert moved(weights(os.path.join(a14b, "transformer")), policy.pipeline.transformer.state_dict())
