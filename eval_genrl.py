@@ -23,26 +23,35 @@ import logging
 import os
 from contextlib import ExitStack
 
-from genrl.training.console import close_progress_bars, hide_loading_bars, silence_known_noise
+from genrl.training.console import (
+    close_progress_bars,
+    hide_loading_bars,
+    silence_known_noise,
+)
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
 import torch
 from accelerate.logging import get_logger
 
-from genrl.checkpoints.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
+from genrl.checkpoints.checkpointing import (
+    CONFIG_FILE,
+    LORA_EMA_FILE,
+    LORA_FILE,
+    load_trained_policy,
+)
 from genrl.checkpoints.output_lock import lock_output_dir
+from genrl.config.evaluator import EVALUATOR_SECTIONS, FALLBACK, build_eval_parser
+from genrl.config.sections import check_sections
 from genrl.data.prompts import PromptSet, load_prompts
-from genrl.distributed.launch import build_accelerator, check_mixed_precision, end_processes
+from genrl.distributed.launch import build_accelerator, end_processes
 from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.evaluation.evaluate import EvalResult, EvalSettings, evaluate
 from genrl.evaluation.outputs import save_comparison, save_eval_outputs
-from genrl.math.sde import ODE_SOLVERS
 from genrl.policies import FlowPolicy, load_policy
-from genrl.rewards import build_reward_fn, check_reward_options
+from genrl.rewards import build_reward_fn
 from genrl.training.acceleration import (
-    check_attention_backend_name,
     compile_repeated_blocks,
     probe_attention_backend,
     set_attention_backend,
@@ -51,98 +60,22 @@ from genrl.training.rollout import SamplingConfig
 
 logger = get_logger(__name__)
 
-DEFAULT_REWARD = "toy_geneval"  # the embedded default run's reward, for its default prompts
-DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "genrl", "assets", "prompts", "toy_test.txt")
 WEIGHT_DTYPES = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def parse_args(input_args=None):
-    parser = argparse.ArgumentParser(prog="eval_genrl.py", description="Deterministic, bounded evaluation of a genrl model.")
-    parser.add_argument(
-        "--model", "--checkpoint", "--pretrained_model_name_or_path", dest="model", type=str, required=True,
-        help="A base diffusers pipeline (folder or Hub id), a genrl export (output_dir), a checkpoint-<step> "
-        "folder, or a LoRA adapter (a .safetensors file or a folder holding one; needs --base_model).",
-    )
-    parser.add_argument("--base_model", type=str, default=None, help="Base pipeline of a bare LoRA adapter.")
-    parser.add_argument("--compare", type=str, default=None, metavar="MODEL_B",
-                        help="A second model, evaluated on the same prompts and seeds, shown side by side.")
-    parser.add_argument("--use_ema", action="store_true", help="Evaluate the EMA weights of a genrl export/checkpoint.")
-    parser.add_argument("--prompts", type=str, default=None,
-                        help="Prompt file (.txt one per line, .jsonl/.csv with a prompt column) or dataset; default: the "
-                        "export's own evaluation prompts, else the toy test prompts of the embedded default run.")
-    parser.add_argument("--prompt_column", type=str, default="prompt")
-    parser.add_argument("--image_column", type=str, default=None,
-                        help="Column of each prompt's conditioning image (image-to-video models); default: the export's "
-                        "own, else 'image'.")
-    parser.add_argument("--reward_fn", type=str, default=None,
-                        help=f"Reward spec 'name:weight,...'; default: the one the export was trained with, else {DEFAULT_REWARD!r}.")
-    parser.add_argument("--max_batches", type=int, default=None,
-                        help="Evaluate at most this many batches (0 = every prompt); default: the export's own, else 8.")
-    parser.add_argument("--batch_size", type=int, default=None,
-                        help="Prompts per batch (per forward pass); default: the export's own, else 4.")
-    parser.add_argument("--seed", type=int, default=None,
-                        help="Batch b starts from noise seeded with seed + b; default: the export's own, else 0.")
-    parser.add_argument("--samples_per_prompt", type=int, default=None,
-                        help="Noise draws of each prompt, the score their mean; draw k starts from the noise of --seed + "
-                        "1000 k (draw 0: the one-sample evaluation's). Default: the export's own, else 1.")
-    parser.add_argument("--num_inference_steps", type=int, default=None,
-                        help="Default: what the export evaluated with during training, else 16.")
-    parser.add_argument("--guidance_scale", type=float, default=None,
-                        help="Default: what the export evaluated with during training, else 4.5.")
-    parser.add_argument("--ode_solver", choices=ODE_SOLVERS, default=None,
-                        help="Default: what the export evaluated with during training, else euler.")
-    parser.add_argument("--max_sequence_length", type=int, default=None,
-                        help="T5/UMT5 tokens per prompt, for both models of a comparison. Default: what the export "
-                        "trained with, else each pipeline's own.")
-    parser.add_argument("--vae_decode_batch_size", type=int, default=1,
-                        help="Samples per VAE decode call (1: bounded memory; any size: batch-layout independent).")
-    parser.add_argument("--negative_prompt", type=str, default="")
-    parser.add_argument("--height", type=int, default=None, help="Default: the model's own.")
-    parser.add_argument("--width", type=int, default=None, help="Default: the model's own.")
-    parser.add_argument("--num_frames", type=int, default=None, help="Default: the model's own (videos).")
-    parser.add_argument("--mixed_precision", type=str, default="no", choices=sorted(WEIGHT_DTYPES),
-                        help="Weight dtype of the model while sampling.")
-    parser.add_argument("--attention_backend", type=str, default=None, metavar="NAME",
-                        help="diffusers attention backend of the transformer (as train_genrl.py's), e.g. _native_cudnn, "
-                        "flash; default: diffusers' own (torch SDPA).")
-    parser.add_argument("--compile", action="store_true",
-                        help="Regional torch.compile of the transformer's repeated blocks (as train_genrl.py's); the first "
-                        "batch pays the compilation.")
-    parser.add_argument("--save_samples", type=int, default=16,
-                        help="How many samples (evenly spaced over the prompts) go into the grid and MP4s; -1 = all.")
-    parser.add_argument("--fps", type=float, default=16.0, help="Frame rate of the written MP4s.")
-    parser.add_argument("--output_dir", type=str, default="genrl-eval")
+def parse_args(input_args=None) -> argparse.Namespace:
+    """The checked arguments (``genrl.config.evaluator``); a problem is one line on stderr and
+    exit status 2."""
+    parser = build_eval_parser()
     args = parser.parse_args(input_args)
     # Unset settings follow the export's own in-training evaluation (model A's, else B's), so a
     # trained model is scored on the prompts, batches, noise and reward its training run used.
     trained = trained_settings(args.model) or trained_settings(args.compare)
-    fallback = {"reward_fn": DEFAULT_REWARD, "num_inference_steps": 16, "guidance_scale": 4.5, "prompts": DEFAULT_PROMPTS,
-                "max_batches": 8, "batch_size": 4, "seed": 0, "ode_solver": "euler", "samples_per_prompt": 1,
-                "max_sequence_length": None, "image_column": "image"}  # None: each pipeline's own
-    for key, value in fallback.items():
+    for key, value in FALLBACK.items():
         if getattr(args, key) is None:
             setattr(args, key, trained.get(key, value))
-
-    if args.max_sequence_length is not None and args.max_sequence_length < 1:
-        parser.error(f"--max_sequence_length must be at least 1 token; got {args.max_sequence_length}.")
-    if args.batch_size < 1:
-        parser.error(f"--batch_size must be at least 1; got {args.batch_size}.")
-    if args.samples_per_prompt < 1:
-        parser.error(f"--samples_per_prompt must be at least 1; got {args.samples_per_prompt}.")
-    if args.vae_decode_batch_size < 1:
-        parser.error(f"--vae_decode_batch_size must be at least 1; got {args.vae_decode_batch_size}.")
-    if args.max_batches < 0:
-        parser.error(f"--max_batches must be >= 0 (0 = every prompt); got {args.max_batches}.")
-    if args.save_samples < -1:
-        parser.error(f"--save_samples must be >= 0, or -1 for all; got {args.save_samples}.")
-    if args.attention_backend is not None:
-        try:
-            check_attention_backend_name(args.attention_backend)
-        except ValueError as error:
-            parser.error(str(error))
     try:
-        check_reward_options({}, [args.reward_fn])  # unknown names, module:function rewards that do not import
-        check_mixed_precision(args.mixed_precision)
+        check_sections(args, EVALUATOR_SECTIONS)
     except (ValueError, ImportError) as error:
         parser.error(str(error))
     return args

@@ -251,6 +251,19 @@ def trainer_exit_in_process(argv: list[str], monkeypatch) -> "str | int":
     return exit_info.value.code
 
 
+def assert_help_documents_each_section(parser, sections, help_text: str) -> None:
+    """Every flag of ``parser`` has help, and ``help_text`` (its ``--help``) shows each of
+    ``sections`` as one group holding each of its fields."""
+    from dataclasses import fields
+
+    missing = [a.dest for a in parser._actions if not (a.help or "").strip()]
+    assert not missing, f"flags without help: {missing}"
+    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
+    for section in sections:
+        assert f"\n{section._argument_group_name}:\n" in help_text, section
+        assert {f.name for f in fields(section)} <= groups[section._argument_group_name], section
+
+
 def script_errors(stderr: str, script: str = "train_genrl.py") -> list[str]:
     """The ``<script>: error: <sentence>`` reports in a script's stderr, in order (a progress bar
     left open may share their line, and so may another rank's report: two processes writing at

@@ -10,11 +10,19 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import assert_help_documents_each_section
 
 import eval_genrl
 import genrl.evaluation.evaluate as evaluation
+from genrl.config.evaluator import DEFAULT_PROMPTS
 from genrl.data.prompts import PromptSet
-from genrl.evaluation.evaluate import EvalSettings, batches_of_process, eval_batches, evaluate, spread_indices
+from genrl.evaluation.evaluate import (
+    EvalSettings,
+    batches_of_process,
+    eval_batches,
+    evaluate,
+    spread_indices,
+)
 from genrl.evaluation.outputs import save_eval_outputs, save_image_grid
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn
@@ -76,12 +84,25 @@ def _script_args(model, prompts_file, output_dir, *extra):
     (["--samples_per_prompt", "0"], "--samples_per_prompt must be at least 1; got 0."),
     (["--ode_solver", "rk4"], "argument --ode_solver: invalid choice: 'rk4'"),
     (["--attention_backend", "warp_drive"], "--attention_backend 'warp_drive' is not a diffusers attention backend; choose"),
+    (["--no_such_flag", "3"], "unrecognized arguments: --no_such_flag 3"),
 ])
 def test_bad_flags_are_one_sentence_before_any_model_loads(tmp_path, capsys, extra, sentence):
-    """The model path is never opened: parsing alone refuses these."""
+    """The model path is never opened: parsing alone refuses these, in one line (no usage block)."""
     with pytest.raises(SystemExit) as exit_info:
         eval_genrl.parse_args(_script_args(str(tmp_path / "no-model"), str(tmp_path / "p.txt"), tmp_path / "out", *extra))
-    assert exit_info.value.code == 2 and sentence in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and sentence in err
+    assert err.count("\n") == 1 and err.startswith("eval_genrl.py: error: "), err
+
+
+def test_every_eval_flag_has_help_and_the_help_is_grouped_by_section(capsys):
+    from genrl.config.evaluator import EVALUATOR_SECTIONS, build_eval_parser
+
+    with pytest.raises(SystemExit):
+        eval_genrl.parse_args(["--help"])
+    text = capsys.readouterr().out
+    assert "(default: genrl-eval)" in text and "--checkpoint MODEL" in text
+    assert_help_documents_each_section(build_eval_parser(), EVALUATOR_SECTIONS, text)
 
 
 @pytest.mark.parametrize("case", ["missing", "base", "no_ema"])
@@ -433,7 +454,7 @@ def test_eval_settings_default_to_the_exports_own_training_evaluation(tmp_path):
     args = eval_genrl.parse_args(["--model", str(tmp_path / "base"), "--compare", str(export)])
     assert args.reward_fn == "jpeg_incompressibility", "a base model compared with an export is scored like the export"
     # The prompts, batching and noise of the training run's evaluation, so the numbers match it.
-    assert (args.prompts, args.batch_size, args.max_batches, args.seed) == (eval_genrl.DEFAULT_PROMPTS, 4, 8, 0)
+    assert (args.prompts, args.batch_size, args.max_batches, args.seed) == (DEFAULT_PROMPTS, 4, 8, 0)
     config = json.loads((export / "genrl_config.json").read_text())
     config["args"].update(eval_prompt_dataset="held_out.txt", eval_batch_size=32, eval_max_batches=4, eval_seed=3)
     (export / "genrl_config.json").write_text(json.dumps(config))

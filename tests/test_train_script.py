@@ -6,11 +6,10 @@ import subprocess
 
 import pytest
 import torch
+from conftest import assert_help_documents_each_section, run_script
 from safetensors.torch import load_file
 
 from genrl.training import train_args
-
-from conftest import ROOT, run_script
 
 
 def base_args(model: str, prompts: str, output_dir: str, *extra: str) -> list[str]:
@@ -293,22 +292,14 @@ def test_hpsv3_without_its_weights_names_the_repos_and_reward_options(tiny_sd3, 
 
 
 def test_every_flag_has_help_and_the_help_is_grouped_by_section(capsys):
-    from dataclasses import fields
-
     from genrl.config import SECTIONS
 
-    parser = train_args.build_parser()
-    missing = [a.dest for a in parser._actions if not (a.help or "").strip()]
-    assert not missing, f"flags without help: {missing}"
     with pytest.raises(SystemExit):
         train_args.parse_args(["--help"])
     text = capsys.readouterr().out
     assert "recipes/toy_nft.yaml" in text and "--config PATH" in text
     assert "(default: 8)" in text  # defaults are shown, and they are the plain ones, not the toy run's
-    groups = {g.title: {a.dest for a in g._group_actions} for g in parser._action_groups}
-    for section in SECTIONS:  # each section is one group of --help, holding each of its fields
-        assert f"\n{section._argument_group_name}:\n" in text, section
-        assert {f.name for f in fields(section)} <= groups[section._argument_group_name], section
+    assert_help_documents_each_section(train_args.build_parser(), SECTIONS, text)
 
 
 def test_the_console_shows_one_line_per_evaluation_and_the_card_the_score_at_the_pipeline_defaults(

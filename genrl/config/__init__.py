@@ -11,7 +11,8 @@ puts the parts together.
     performance.py  memory, speed and processes
     evaluation.py   evaluation and the reward watch
     output.py       the output folder, checkpoints, the Hub
-    sections.py     the sections in --help order
+    sections.py     the sections in --help order, and each one's checks run in turn
+    evaluator.py    eval_genrl.py's sections: the model, prompts and rewards, sampling, output
     parser.py       the parser (one-line errors, grouped help)
     files.py        config files and the shipped ones
     sources.py      defaults, file and command line: which wins, and what a flag makes inapplicable

@@ -19,7 +19,12 @@ import sys
 from genrl.config import SECTIONS, build_parser, find_config, read_config, toy_config
 from genrl.config.checks import check_run
 from genrl.config.files import GENRL_ROOT
-from genrl.config.sources import config_file_values, drop_inapplicable, given_on_command_line
+from genrl.config.sections import check_sections
+from genrl.config.sources import (
+    config_file_values,
+    drop_inapplicable,
+    given_on_command_line,
+)
 from genrl.errors import said_once
 from genrl.objectives import get_objective
 from genrl.training.rollout import SamplingConfig
@@ -67,16 +72,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def field_defaults() -> dict:
     """Every flag's default, by name."""
     return {f.name: f.default for section in SECTIONS for f in dataclasses.fields(section)}
-
-
-def check_sections(args: argparse.Namespace) -> None:
-    """Each section's checks of its own fields, in ``--help`` order; what a check fills in
-    (``eval_reward_fn``, ``height``, an absolute ``output_dir``) goes back into ``args``."""
-    for section_type in SECTIONS:
-        section = section_type(**{f.name: getattr(args, f.name) for f in dataclasses.fields(section_type)})
-        if hasattr(section, "check"):
-            section.check()
-        vars(args).update(dataclasses.asdict(section))
 
 
 def toy_run(objective: str | None = None) -> dict:
