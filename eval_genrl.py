@@ -23,23 +23,14 @@ import logging
 import os
 from contextlib import ExitStack
 
-from genrl.training.console import (
-    close_progress_bars,
-    hide_loading_bars,
-    silence_known_noise,
-)
+from genrl.training.console import close_progress_bars, hide_loading_bars, silence_known_noise
 
 silence_known_noise()  # before the libraries below load: some warn on import
 
 import torch
 from accelerate.logging import get_logger
 
-from genrl.checkpoints.checkpointing import (
-    CONFIG_FILE,
-    LORA_EMA_FILE,
-    LORA_FILE,
-    load_trained_policy,
-)
+from genrl.checkpoints.checkpointing import CONFIG_FILE, LORA_EMA_FILE, LORA_FILE, load_trained_policy
 from genrl.checkpoints.output_lock import lock_output_dir
 from genrl.config.evaluator import EVALUATOR_SECTIONS, FALLBACK, build_eval_parser
 from genrl.config.sections import check_sections
@@ -51,11 +42,7 @@ from genrl.evaluation.evaluate import EvalResult, EvalSettings, evaluate
 from genrl.evaluation.outputs import save_comparison, save_eval_outputs
 from genrl.policies import FlowPolicy, load_policy
 from genrl.rewards import build_reward_fn
-from genrl.training.acceleration import (
-    compile_repeated_blocks,
-    probe_attention_backend,
-    set_attention_backend,
-)
+from genrl.training.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.training.rollout import SamplingConfig
 
 logger = get_logger(__name__)

@@ -16,13 +16,7 @@ import eval_genrl
 import genrl.evaluation.evaluate as evaluation
 from genrl.config.evaluator import DEFAULT_PROMPTS
 from genrl.data.prompts import PromptSet
-from genrl.evaluation.evaluate import (
-    EvalSettings,
-    batches_of_process,
-    eval_batches,
-    evaluate,
-    spread_indices,
-)
+from genrl.evaluation.evaluate import EvalSettings, batches_of_process, eval_batches, evaluate, spread_indices
 from genrl.evaluation.outputs import save_eval_outputs, save_image_grid
 from genrl.policies import load_policy
 from genrl.rewards import build_reward_fn

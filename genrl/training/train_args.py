@@ -20,11 +20,7 @@ from genrl.config import SECTIONS, build_parser, find_config, read_config, toy_c
 from genrl.config.checks import check_run
 from genrl.config.files import GENRL_ROOT
 from genrl.config.sections import check_sections
-from genrl.config.sources import (
-    config_file_values,
-    drop_inapplicable,
-    given_on_command_line,
-)
+from genrl.config.sources import config_file_values, drop_inapplicable, given_on_command_line
 from genrl.errors import said_once
 from genrl.objectives import get_objective
 from genrl.training.rollout import SamplingConfig
