@@ -7,12 +7,7 @@ import dataclasses
 from genrl.config.data import DataArguments
 from genrl.config.evaluation import EvaluationArguments, RewardWatchArguments
 from genrl.config.model import EMAArguments, LoraArguments, ModelArguments
-from genrl.config.objective import (
-    ForwardArguments,
-    GRPOArguments,
-    ObjectiveArguments,
-    RolloutArguments,
-)
+from genrl.config.objective import ForwardArguments, GRPOArguments, ObjectiveArguments, RolloutArguments
 from genrl.config.optimizer import OptimizerArguments
 from genrl.config.output import CheckpointArguments, HubArguments, OutputArguments
 from genrl.config.performance import PerformanceArguments
