@@ -363,7 +363,8 @@ def guided_sweep(policy, plan, guidance_scales) -> dict:
     sweep = [score(dataclasses.replace(plan.settings.config, guidance_scale=g))
              for g in sorted({*map(float, guidance_scales), plan.settings.config.guidance_scale})]
     defaults = at_pipeline_defaults(plan.settings.config, policy.pipeline, policy.guidance_keyword)
-    _, mean, strict = score(defaults)
+    with policy.pipeline_call_guidance():
+        _, mean, strict = score(defaults)
     trained = next(row for row in sweep if row[0] == plan.settings.config.guidance_scale)
     return {"sample_steps": plan.settings.config.num_inference_steps, **sweep_summary(sweep, trained),
             "defaults_steps": defaults.num_inference_steps, "defaults_cfg": defaults.guidance_scale,

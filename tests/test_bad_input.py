@@ -62,6 +62,8 @@ def test_reward_options_from_a_file_name_the_file(tiny_sd3, prompt_file, tmp_pat
     (["--noise_level", "nan"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
     (["--noise_level", "nan", "--objective", "nft"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got nan."),
     (["--noise_level", "-0.5", "--objective", "awm"], "--noise_level must be a finite number >= 0 (0: deterministic sampling), got -0.5."),
+    (["--cfg_truncation", "inf"], "--cfg_truncation must be a finite number (1: guide every step), got inf."),
+    (["--cfg_normalization", "-1"], "--cfg_normalization must be a finite number >= 0 (0: off), got -1.0."),
     (["--num_inference_steps", "1", "--sde_window_size", "1"],
      "--objective grpo trains on stochastic steps and the last sampling step is always deterministic, "
      "so it needs --num_inference_steps >= 2 (got 1)."),

@@ -19,6 +19,7 @@ from genrl.training.trainable import make_trainable
 
 GUIDANCE = 2.0
 GUIDANCE_2 = 3.0
+ZIMAGE_OPTIONS = {"cfg_truncation": 0.3, "cfg_normalization": 1.0}
 
 
 def adapter_free(name: str) -> str:
@@ -51,6 +52,8 @@ def test_the_cards_snippet_samples_the_trained_weights_with_the_runs_settings(fa
             "num_frames": size["num_frames"], "max_sequence_length": 16}
     if expert:  # the run's own scale for the low-noise steps, which WanPipeline otherwise sets to guidance_scale
         args["guidance_scale_2"] = GUIDANCE_2
+    options = ZIMAGE_OPTIONS if family == "zimage" else {}  # the pipeline call takes them as the run set them
+    args.update(options)
     record = {"base_model": base, "reward_fn": "r", "args": args, "launch_command": "x", "family": family}
     card = write_run_card(export, str(tmp_path / "none.jsonl"), record, is_video=policy.is_video,
                           usage=PipelineUsage.of(policy), last_eval={}, sample_images=[])
@@ -74,3 +77,4 @@ def test_the_cards_snippet_samples_the_trained_weights_with_the_runs_settings(fa
     else:
         assert settings[policy.guidance_keyword] == GUIDANCE
     assert settings.get("guidance_scale_2") == (GUIDANCE_2 if expert else None)
+    assert {k: settings[k] for k in ZIMAGE_OPTIONS if k in settings} == options

@@ -66,6 +66,8 @@ def train_export_and_evaluate(family: str, objective: str, use_lora: bool, confi
     model = save_tiny_pipeline(family, tmp_path / f"tiny-{family}")
     out = str(tmp_path / "out")
     extra = ["--use_lora", "--rank", "4", "--lora_alpha", "8"] if use_lora else []
+    if family == "zimage":  # its pipeline's guidance options: the export must carry them to eval_genrl.py
+        extra += ["--cfg_truncation", "0.3", "--cfg_normalization", "1.0"]
     editing = family.startswith("qwenimage-edit")
     args = objective_args(model, prompts, out, objective, *extra)
     if objective == "grpo":  # GRPO trains the recorded SDE steps

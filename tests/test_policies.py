@@ -70,6 +70,16 @@ def policies(tiny_dirs):
             for family, path in tiny_dirs.items()}
 
 
+def assert_each_sample_as_if_alone(policy, latents, t, embeds, guidance_scale):
+    """A batch's velocities are each sample's own, as predicted for it alone."""
+    with torch.no_grad():
+        both = policy.predict_velocity(policy.transformer, latents, t, embeds, guidance_scale)
+        for i in range(len(latents)):
+            alone = policy.predict_velocity(policy.transformer, latents[i:i + 1], t[i:i + 1],
+                                            {k: v[i:i + 1] for k, v in embeds.items()}, guidance_scale)
+            torch.testing.assert_close(both[i:i + 1], alone, rtol=0, atol=1e-5)
+
+
 def _generators(n, seed=0):
     return [torch.Generator().manual_seed(seed + i) for i in range(n)]
 
@@ -160,6 +170,9 @@ def test_load_policy_errors(tmp_path, monkeypatch):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(SetupError, match=r"is a text-to-image pipeline \(FluxPipeline\)"):
         load_policy(str(tmp_path), image_conditioned=True)
+    # A guidance option of another family's pipeline (Z-Image's), from the index alone.
+    with pytest.raises(SetupError, match=r"^--cfg_truncation applies only to ZImagePipeline; '.*' is a FluxPipeline\.$"):
+        load_policy(str(tmp_path), guidance_options={"cfg_truncation": 0.5})
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
     with pytest.raises(SetupError, match=r"is an image-to-video pipeline \(WanImageToVideoPipeline\): every prompt needs a "
                                          r"conditioning image, and the prompts have no image column"):
@@ -248,12 +261,7 @@ def test_prompts_of_different_lengths_keep_their_own_tokens(family, policies):
     assert embeds["prompt_embeds_mask"].sum(dim=1).tolist()[0] < embeds["prompt_embeds_mask"].sum(dim=1).tolist()[1]
     latents = policy.prepare_latents(_generators(2), 32, 32, 1, "cpu")
     t = torch.tensor([800.0, 300.0])
-    with torch.no_grad():
-        both = policy.predict_velocity(policy.transformer, latents, t, embeds, 3.0)
-        for i in range(2):
-            alone = policy.predict_velocity(policy.transformer, latents[i:i + 1], t[i:i + 1],
-                                            {k: v[i:i + 1] for k, v in embeds.items()}, 3.0)
-            torch.testing.assert_close(both[i:i + 1], alone, rtol=0, atol=1e-5)
+    assert_each_sample_as_if_alone(policy, latents, t, embeds, 3.0)
 
 
 @pytest.mark.parametrize(
@@ -315,6 +323,44 @@ def test_true_cfg_combines_cond_and_uncond_in_one_forward(family, policies):
     torch.testing.assert_close(v, expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="negative"):
         policy.predict_velocity(policy.transformer, latents, t, cond, guidance_scale=3.0)
+
+
+@pytest.mark.parametrize("options", [{"cfg_truncation": 0.3}, {"cfg_normalization": 1.0},
+                                     {"cfg_truncation": 0.3, "cfg_normalization": 1.0}])
+def test_zimage_guidance_options_sample_as_its_pipeline_does(options, policies):
+    """Z-Image's ``cfg_truncation`` (no guidance once 1 - t/1000 passes it) and ``cfg_normalization``
+    (the guided velocity's norm capped at that many times the conditional one's) give our
+    deterministic loop the pipeline's own samples; each changes them; ``pipeline_call_guidance``
+    samples as ``pipe(prompt)`` does, at the defaults, and keeps the run's options after it."""
+    sizes = TINY_SAMPLING_DEFAULTS["zimage"]
+    policy = ZImagePolicy(policies["zimage"].pipeline, **options, **{f"default_{k}": v for k, v in sizes.items()})
+    prompts = ["a red circle above a blue square", "three green triangles"]
+    config = SamplingConfig(num_inference_steps=4, guidance_scale=3.0, noise_level=0.0, negative_prompt="dark")
+
+    def final_latents(policy):
+        batch = SampleBatch(prompts, [0, 0], seed=7, epoch=0)
+        return sample_rollout(policy, policy.transformer, batch, config=config, device="cpu")
+
+    rollout, plain = final_latents(policy), final_latents(policies["zimage"])  # steps at progress 0, 0.1, 0.25, 0.5
+    assert (rollout.final_latents - plain.final_latents).abs().max() > 1e-3, "the options must change the samples"
+    latents = policy.prepare_latents([latent_generator(p, 7, 0, 0, True) for p in prompts], sizes["height"],
+                                     sizes["width"], 1, "cpu")
+    call = dict(height=sizes["height"], width=sizes["width"],
+                num_inference_steps=4, guidance_scale=3.0, max_sequence_length=policy.max_sequence_length, latents=latents,
+                **options)
+    final = policy.pipeline(prompt=list(prompts), negative_prompt=["dark"] * 2, **call, output_type="latent").images
+    torch.testing.assert_close(rollout.final_latents, final, rtol=0, atol=1e-5)
+    # Fresh lists again: the pipeline writes its chat template into the prompt lists it is given.
+    expected = policy.pipeline(prompt=list(prompts), negative_prompt=["dark"] * 2, **call, output_type="pt").images
+    torch.testing.assert_close(rollout.samples, expected.unsqueeze(2), rtol=0, atol=1e-4)
+    with policy.pipeline_call_guidance():
+        assert torch.equal(final_latents(policy).final_latents, plain.final_latents)
+    assert all(getattr(policy, name) == value for name, value in options.items())
+
+    # Training batches mix timesteps: each sample is guided (or not) by its own, as if alone.
+    embeds = policy.encode_prompts(prompts, "cpu", guidance_scale=3.0, negative_prompt="dark")
+    t = torch.tensor([900.0, 500.0])  # progress 0.1 (guided) and 0.5 (past a truncation of 0.3)
+    assert_each_sample_as_if_alone(policy, latents, t, embeds, 3.0)
 
 
 def test_a_step_distilled_klein_ignores_guidance_as_its_pipeline_does():

@@ -39,7 +39,7 @@ from genrl.checkpoints.update_checkpoint import EXPERIENCE_DIR, UpdateInProgress
 from genrl.distributed.zero3 import settle_zero3_params
 from genrl.errors import SetupError
 from genrl.hub.redact import redact_args
-from genrl.policies import FlowPolicy, load_policy
+from genrl.policies import FlowPolicy, guidance_options_of, load_policy
 from genrl.training.ema import EMA
 
 if TYPE_CHECKING:
@@ -543,7 +543,7 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         max_sequence_length = trained_args.get("max_sequence_length")
     experts = {k: trained_args[k] for k in ("wan_expert", "guidance_scale_2") if trained_args.get(k) is not None}
     policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
-                         image_conditioned=image_conditioned, **experts)
+                         image_conditioned=image_conditioned, guidance_options=guidance_options_of(trained_args), **experts)
     suffix, component = "_ema" if use_ema else "", policy.trained_component
     if config["use_lora"] and not hasattr(policy.pipeline, "load_lora_weights"):  # HunyuanVideo 1.5: no LoRA loader
         policy.transformer.load_lora_adapter(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)

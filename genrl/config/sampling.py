@@ -32,6 +32,14 @@ class SamplingArguments:
     guidance_scale_2: float | None = HfArg(
         default=None, help="Two-expert Wan 2.2: the guidance scale of the low-noise expert's steps (default: --guidance_scale)."
     )
+    cfg_truncation: float | None = HfArg(
+        default=None, help="Z-Image: guide only while the progress 1 - t/1000 is at most this (default: its pipeline's 1, "
+        "every step).",
+    )
+    cfg_normalization: float | None = HfArg(
+        default=None, help="Z-Image: cap the guided velocity's norm at this many times the conditional one's (default: "
+        "its pipeline's, off; its True is 1).",
+    )
     noise_level: float = HfArg(default=0.7, help="SDE noise level a.")
     sde_type: Literal[SDE_TYPES] = HfArg(
         default="flow_sde", help="Stochastic sampler: Flow-GRPO's SDE or the coefficient-preserving one."
@@ -65,6 +73,10 @@ class SamplingArguments:
             self.width = self.width or self.resolution
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"--max_sequence_length must be at least 1 token; got {self.max_sequence_length}.")
+        if self.cfg_truncation is not None and not math.isfinite(self.cfg_truncation):
+            raise ValueError(f"--cfg_truncation must be a finite number (1: guide every step), got {self.cfg_truncation}.")
+        if self.cfg_normalization is not None and not (math.isfinite(self.cfg_normalization) and self.cfg_normalization >= 0):
+            raise ValueError(f"--cfg_normalization must be a finite number >= 0 (0: off), got {self.cfg_normalization}.")
         if not math.isfinite(self.noise_level) or self.noise_level < 0:
             raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {self.noise_level}.")
         if self.num_inference_steps < 1:

@@ -23,6 +23,10 @@ if TYPE_CHECKING:  # no torch here: the model card writer imports this module
 LOG_PREFIX = "eval_pipeline_defaults"
 SETTING_KEYS = ("num_inference_steps", "guidance_scale")
 
+# Guidance options besides the scale that some pipelines' calls take (Z-Image's), set by the flags
+# of the same names; ``FlowPolicy.guidance_options`` says which family takes which.
+GUIDANCE_OPTION_FLAGS = ("cfg_normalization", "cfg_truncation")
+
 
 def pipeline_call_defaults(pipeline, guidance_keyword: str = "guidance_scale") -> dict[str, float]:
     """``{"num_inference_steps": n, "guidance_scale": g}``: the defaults of ``pipeline``'s

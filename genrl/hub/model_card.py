@@ -17,8 +17,8 @@ from typing import Iterable, Sequence
 
 from huggingface_hub import ModelCard, ModelCardData
 
+from genrl.evaluation.pipeline_defaults import GUIDANCE_OPTION_FLAGS, SETTING_KEYS
 from genrl.evaluation.pipeline_defaults import LOG_PREFIX as PIPELINE_DEFAULTS
-from genrl.evaluation.pipeline_defaults import SETTING_KEYS
 from genrl.evaluation.pipeline_defaults import settings_text as defaults_text
 from genrl.evaluation.scores import drop_repeated_total, format_score, reward_means
 
@@ -242,7 +242,7 @@ def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guida
     did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
     guidance (under the pipeline's ``guidance_keyword``), size, frames and text length where the
     run set them, the negative prompt where guidance uses it, and Wan 2.2 A14B's low-noise scale
-    ``guidance_scale_2`` where the run fixed one. A ``true_cfg_scale`` pipeline (Qwen-Image) guides
+    ``guidance_scale_2`` and Z-Image's ``cfg_truncation`` and ``cfg_normalization`` where the run set them. A ``true_cfg_scale`` pipeline (Qwen-Image) guides
     only when given a negative prompt: there it is passed even empty."""
     guidance = args.get("eval_guidance_scale")
     guidance = args.get("guidance_scale") if guidance is None else guidance
@@ -255,6 +255,7 @@ def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guida
         "num_frames": args.get("num_frames") if is_video else None,
         "max_sequence_length": args.get("max_sequence_length"),
         "guidance_scale_2": args.get("guidance_scale_2"),
+        **{name: args.get(name) for name in GUIDANCE_OPTION_FLAGS},
     }
     settings = {k: v for k, v in settings.items() if v not in (None, "")}
     negative = args.get("negative_prompt") or ""

@@ -10,6 +10,7 @@ import torch
 
 from genrl.distributed.zero_init import load_partitioned_transformer, transformer_folder
 from genrl.errors import SetupError, hub_failure_reason, hub_hint
+from genrl.evaluation.pipeline_defaults import GUIDANCE_OPTION_FLAGS
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.flux2 import Flux2KleinPolicy, Flux2Policy
@@ -101,6 +102,11 @@ def _component_without_its_packages(index: dict) -> str | None:
     return None
 
 
+def guidance_options_of(args: dict) -> dict[str, float]:
+    """The guidance options a run set (``GUIDANCE_OPTION_FLAGS``), from its arguments as a dict."""
+    return {name: args[name] for name in GUIDANCE_OPTION_FLAGS if args.get(name) is not None}
+
+
 def policy_for_pipeline(pipeline, **defaults) -> FlowPolicy:
     """The adapter for an already loaded pipeline; ``defaults`` are ``default_height`` etc."""
     name = type(pipeline).__name__
@@ -121,6 +127,7 @@ def load_policy(
     guidance_scale_2: float | None = None,
     sampling_only: bool = False,
     image_conditioned: bool | None = None,
+    guidance_options: dict[str, float] | None = None,
 ) -> FlowPolicy:
     """Load a diffusers pipeline (local folder or Hub id) and wrap it in its family's adapter.
 
@@ -144,6 +151,10 @@ def load_policy(
     folder's own class); an image-to-video pipeline without them, or a text-only one with them,
     is a ``SetupError`` before any weights load, and Wan 2.2 TI2V with them loads as
     ``WanImageToVideoPipeline`` (``pipeline_class_for``).
+
+    ``guidance_options``: guidance settings besides the scale by the pipeline call's names (Z-Image's
+    ``cfg_normalization`` and ``cfg_truncation``, ``FlowPolicy.guidance_options``); one the
+    family's pipeline does not take is a ``SetupError`` before any weights load.
     """
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
@@ -159,6 +170,11 @@ def load_policy(
     if unusable:
         raise SetupError(f"{path!r} cannot be loaded here: {unusable}.")
     class_name = pipeline_class_for(path, index, image_conditioned)
+    guidance_options = guidance_options or {}
+    for name in guidance_options:
+        if name not in POLICIES[class_name].guidance_options:
+            owners = sorted(k for k, policy in POLICIES.items() if name in policy.guidance_options)
+            raise SetupError(f"--{name} applies only to {' and '.join(owners)}; {path!r} is a {class_name}.")
     two_experts = (index.get("transformer_2") or [None])[0] is not None
     if two_experts and wan_expert not in EXPERTS and not (sampling_only and wan_expert is None):  # before any weights load
         raise SetupError(two_expert_message(path, index.get("boundary_ratio")))
@@ -195,5 +211,5 @@ def load_policy(
             "condition_image_area."
         )
     experts = dict(expert=wan_expert, guidance_scale_2=guidance_scale_2) if two_experts else {}
-    return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length, **experts,
+    return POLICIES[class_name](pipeline, max_sequence_length=max_sequence_length, **experts, **guidance_options,
                                 **{f"default_{k}": int(v) for k, v in sizes.items()})

@@ -16,7 +16,8 @@ Conventions shared by every family:
 
 from __future__ import annotations
 
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -82,6 +83,10 @@ class FlowPolicy:
         default_condition_image_area: the pixels an image-editing family resizes its conditioning
             image to (None: its pipeline's).
         text_tokens: the ``max_sequence_length`` asked for (None: the pipeline's default).
+        guidance_options: the family's guidance settings besides the scale, by the names its
+            pipeline's call gives them, with the values ``pipe(prompt)`` uses (Z-Image's
+            ``cfg_truncation``; Wan 2.2 A14B's ``guidance_scale_2``); the adapter holds them as
+            attributes of those names and ``pipeline_call_guidance`` restores the defaults.
     """
 
     family: str = ""
@@ -90,6 +95,7 @@ class FlowPolicy:
     image_conditioned: bool = False  # every prompt comes with a conditioning image (image-to-video)
     pipeline_text_tokens: int = 512  # T5/UMT5 tokens per prompt the family's pipeline encodes by default
     guidance_keyword: str = "guidance_scale"  # the pipeline call's name for the scale genrl samples at
+    guidance_options: dict[str, float | None] = {}
 
     def __init__(
         self,
@@ -253,6 +259,19 @@ class FlowPolicy:
         alone (the likelihood-free objectives train it): 1 for true-CFG families; guidance-
         distilled ones (FLUX) keep the scale they sample with, since it is a model input."""
         return 1.0 if self.uses_true_cfg else guidance_scale
+
+    @contextmanager
+    def pipeline_call_guidance(self) -> Iterator["FlowPolicy"]:
+        """Within it the policy guides as ``pipe(prompt)`` does: its ``guidance_options`` at the
+        pipeline call's defaults, whatever the run set them to."""
+        kept = {name: getattr(self, name) for name in self.guidance_options}
+        try:
+            for name, value in self.guidance_options.items():
+                setattr(self, name, value)
+            yield self
+        finally:
+            for name, value in kept.items():
+                setattr(self, name, value)
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> "FlowPolicy":
         """Move the frozen parts (text encoders, VAE) to ``device`` (and ``dtype``), freeze them

@@ -36,6 +36,7 @@ class WanPolicy(FlowPolicy):
     family = "wan"
     is_video = True
     uses_true_cfg = True
+    guidance_options = {"guidance_scale_2": None}  # WanPipeline.__call__'s default: the first scale
 
     def __init__(self, pipeline, *, expert: str | None = None, guidance_scale_2: float | None = None, **defaults):
         super().__init__(pipeline, **defaults)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from genrl.math.guidance import renormalized_guidance, truncated_guidance_scale
+from genrl.math.sde import expand_per_sample
 from genrl.policies.base import FlowPolicy, check_divisible, module_dtype, unwrap_module
 from genrl.policies.masked_text import pad_token_rows, token_rows
 
@@ -18,7 +20,10 @@ class ZImagePolicy(FlowPolicy):
 
     ``guidance_scale`` means what it means to ``ZImagePipeline``: g > 0 runs the unconditional
     branch and v = v_c + g (v_c - v_u) (0: the conditional velocity alone, as Z-Image-Turbo samples).
-    The pipeline's ``cfg_normalization`` and ``cfg_truncation`` are left at their defaults (off).
+    So do the pipeline's two refinements of it: ``cfg_truncation`` (guide only while the progress
+    1 - t / 1000 is at most it; 1, the pipeline's default, guides every step) and
+    ``cfg_normalization`` (cap the guided velocity's norm at that many times the conditional one's;
+    0, the pipeline's default False, leaves it), ``genrl.math.guidance``.
     """
 
     family = "zimage"
@@ -26,6 +31,11 @@ class ZImagePolicy(FlowPolicy):
     uses_true_cfg = True
 
     pipeline_text_tokens = 512  # ZImagePipeline's max_sequence_length
+    guidance_options = {"cfg_normalization": 0.0, "cfg_truncation": 1.0}  # ZImagePipeline.__call__'s defaults
+
+    def __init__(self, pipeline, *, cfg_normalization: float = 0.0, cfg_truncation: float = 1.0, **defaults):
+        super().__init__(pipeline, **defaults)
+        self.cfg_normalization, self.cfg_truncation = float(cfg_normalization), float(cfg_truncation)
 
     def text_tokenizer(self):
         return self.pipeline.tokenizer
@@ -80,6 +90,8 @@ class ZImagePolicy(FlowPolicy):
         captions = token_rows(*self._require(embeds, "prompt_embeds", "prompt_embeds_mask"))
         x, t = latents.to(dtype), (1000 - timestep.float()) / 1000
         cfg = self.use_cfg(guidance_scale)
+        scale = truncated_guidance_scale(guidance_scale, t, self.cfg_truncation) if cfg else None
+        cfg = cfg and bool((scale > 0).any())  # a step past the truncation is one conditional forward, as the pipeline's
         if cfg:
             # ZImagePipeline's order: [cond; uncond] in one forward.
             captions += token_rows(*self._require(embeds, "negative_prompt_embeds", "negative_prompt_embeds_mask"))
@@ -90,7 +102,9 @@ class ZImagePolicy(FlowPolicy):
         if not cfg:
             return velocity
         v_cond, v_uncond = velocity.chunk(2)
-        return v_cond + guidance_scale * (v_cond - v_uncond)
+        scale = expand_per_sample(scale, v_cond)
+        guided = renormalized_guidance(v_cond + scale * (v_cond - v_uncond), v_cond, self.cfg_normalization)
+        return torch.where(scale > 0, guided, v_cond)  # unguided samples are not renormalized either
 
 
 def forget_meta_rope_table(transformer: torch.nn.Module, x: torch.Tensor) -> None:

@@ -45,7 +45,7 @@ from genrl.evaluation.pipeline_defaults import at_pipeline_defaults
 from genrl.evaluation.reward_watch import RewardWatch
 from genrl.hub.redact import redact_argv
 from genrl.objectives import UpdateConfig, check_sigma_range_holds, reference_model
-from genrl.policies import FlowPolicy, load_policy
+from genrl.policies import FlowPolicy, guidance_options_of, load_policy
 from genrl.rewards import RewardFn, build_eval_reward_fn, build_reward_fn, load_reward_options
 from genrl.rewards.lifecycle import describe_reward_models
 from genrl.training.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
@@ -282,7 +282,8 @@ def load_base_policy(args: argparse.Namespace, accelerator, image_conditioned: b
             policy = load_policy(args.pretrained_model_name_or_path, revision=args.revision, variant=args.variant, dtype=dtype,
                                  zero3_init_config=plugin.deepspeed_config if zero3_init_requested(plugin) else None,
                                  max_sequence_length=args.max_sequence_length, wan_expert=args.wan_expert,
-                                 guidance_scale_2=args.guidance_scale_2, image_conditioned=image_conditioned)
+                                 guidance_scale_2=args.guidance_scale_2, image_conditioned=image_conditioned,
+                                 guidance_options=guidance_options_of(vars(args)))
         except SetupError as e:
             raise SetupError(f"--pretrained_model_name_or_path: {e}") from e
         policy.to(accelerator.device, dtype)

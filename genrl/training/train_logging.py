@@ -172,8 +172,11 @@ def evaluate_and_log(run: Run, *, step: int, epoch: int, at_pipeline_defaults: b
     with ema.swapped_in() if ema is not None else nullcontext():
         result = evaluate_plan(plan, policy, model, accelerator=accelerator)
         probe = watch_probe(plan, policy, model, accelerator.device, run.reference())
-        defaults = evaluate_plan(plan, policy, model, accelerator=accelerator, config=plan.pipeline_defaults,
-                                 keep_samples=0) if at_defaults else None
+        defaults = None
+        if at_defaults:
+            with policy.pipeline_call_guidance():  # pipe(prompt) also leaves the family's guidance options at their defaults
+                defaults = evaluate_plan(plan, policy, model, accelerator=accelerator, config=plan.pipeline_defaults,
+                                         keep_samples=0)
     values = result.log_dict("eval")
     values.update(probe)
     if defaults is not None:
