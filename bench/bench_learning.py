@@ -59,7 +59,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -128,7 +127,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eval_steps", type=int, default=None, help="Default: the no-argument run's (1 with --quick).")
     parser.add_argument("--jobs", type=int, default=2, help="Training runs at a time.")
     parser.add_argument("--output_dir", type=str, default=None,
-                        help="Runs, logs and learning_curves.png (default bench-output/learning-<setting>; a temporary folder with --quick).")
+                        help="Runs, their base model and prompts, logs and learning_curves.png (default "
+                        "bench-output/learning-<setting>).")
     parser.add_argument("--no_ceilings", action="store_true", help="Skip the best-of-K and supervised ceilings.")
     parser.add_argument("--supervised_steps", type=int, default=None,
                         help="Supervised ceiling: fine-tuning flow steps (1600; 2 with --quick).")
@@ -164,9 +164,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.supervised_eval_every = args.supervised_eval_every or (1 if args.quick else 400)
     args.supervised_batch_size = 8 if args.quick else 64  # scenes per supervised step
     args.guidance_sweep = args.guidance_sweep or ([1.0, 4.5] if args.quick else [1.0, 2.0, 4.5, 7.5])
-    args.output_dir = args.output_dir or (
-        tempfile.mkdtemp(prefix="bench-learning-") if args.quick else os.path.join("bench-output", f"learning-{args.setting}")
-    )
+    args.output_dir = args.output_dir or os.path.join("bench-output", f"learning-{args.setting}")
     # The ceilings' evaluation: the no-argument run's (4 batches of 32), or one batch of 8.
     args.ceiling_batches = (1, 8) if args.quick else None
     return args
@@ -226,8 +224,8 @@ def run_training(objective: str, seed: int, out_dir: str, base: list[str], args,
     """One train_genrl.py run; returns its eval curve ``{"steps", "elapsed", "scores"}``."""
     command = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1",
                "--mixed_precision", "no", "--dynamo_backend", "no", os.path.join(ROOT, "train_genrl.py"),
-               *objective_args(objective), *base, "--seed", str(seed), "--output_dir", out_dir, "--report_to", "none",
-               "--cpu_threads", str(threads)]  # the bench's share of the cores, not the no-argument run's all
+               *objective_args(objective), *base, "--seed", str(seed), "--output_dir", out_dir, "--overwrite_output_dir",
+               "--report_to", "none", "--cpu_threads", str(threads)]  # the bench's share of the cores, not the no-argument run's all
     if args.max_train_steps:
         command += ["--max_train_steps", str(args.max_train_steps)]
     if args.eval_steps:
@@ -659,7 +657,8 @@ def plot(curves: dict[str, list[dict]], ceilings: list[dict], path: str, score: 
 def main(args) -> list[dict]:
     common.print_machine("cpu", note=f"{args.jobs} runs at a time")
     os.makedirs(args.output_dir, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="bench-learning-")
+    workdir = os.path.join(args.output_dir, "inputs")  # beside the runs: their exports name the base model in it
+    os.makedirs(workdir, exist_ok=True)
     base = setting_args(args.setting, workdir, args.base_model, args.guidance_scale, args.video_vae_steps)
     if args.quick:
         args.max_train_steps = args.max_train_steps or 2

@@ -32,7 +32,7 @@ RUNS = {
     "zero3": ("zero_memory", ["bench_zero_memory.py", "--quick", "--configs", "zero3"]),
     "h200_wan": ("h200_wan", ["bench_h200_wan.py", "--quick", "--profile", "--profile_rows", "5", "--fit_table"]),
     "h200_wan_bf16": ("h200_wan", ["bench_h200_wan.py", "--quick", "--bf16_weights"]),
-    "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2"]),
+    "learning": ("learning", ["bench_learning.py", "--quick", "--jobs", "2", "--output_dir", "{tmp}"]),
     "epoch": ("epoch", ["bench_epoch.py", "--quick", "--epochs", "3"]),
 }
 
@@ -45,6 +45,7 @@ def runs(tmp_path_factory):
     logs = tmp_path_factory.mktemp("bench_logs")
     procs = {}
     for name, (_, (script, *args)) in RUNS.items():
+        args = [arg.format(tmp=tmp_path_factory.mktemp(name)) if arg == "{tmp}" else arg for arg in args]
         with open(logs / f"{name}.out", "w") as out, open(logs / f"{name}.err", "w") as err:
             procs[name] = subprocess.Popen([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT, env=env,
                                            stdout=out, stderr=err, text=True)
