@@ -40,7 +40,7 @@ from genrl.distributed.zero3 import zero_init_disabled
 from genrl.errors import find_setup_error, said_once, stop_line
 from genrl.evaluation.evaluate import EvalResult, EvalSettings, evaluate
 from genrl.evaluation.outputs import save_comparison, save_eval_outputs
-from genrl.policies import FlowPolicy, load_policy
+from genrl.policies import FlowPolicy, guidance_options_of, load_policy
 from genrl.rewards import build_reward_fn
 from genrl.training.acceleration import compile_repeated_blocks, probe_attention_backend, set_attention_backend
 from genrl.training.rollout import SamplingConfig
@@ -80,18 +80,20 @@ def _lora_file(path: str, use_ema: bool) -> str | None:
 
 
 def load_model(path: str, *, base_model: str | None, use_ema: bool, dtype: torch.dtype,
-               max_sequence_length: int | None = None, image_conditioned: bool | None = None) -> FlowPolicy:
+               max_sequence_length: int | None = None, image_conditioned: bool | None = None,
+               guidance_options: dict[str, float] | None = None) -> FlowPolicy:
     """Any model ``--model`` accepts -> a FlowPolicy with its trained weights in the transformer;
-    ``image_conditioned``: whether the prompts come with images (``load_policy``)."""
+    ``image_conditioned``: whether the prompts come with images (``load_policy``);
+    ``guidance_options``: Z-Image's, over an export's own."""
     lora = _lora_file(path, use_ema)
     with zero_init_disabled():
         if lora is None:
             return load_trained_policy(path, use_ema=use_ema, dtype=dtype, max_sequence_length=max_sequence_length,
-                                       image_conditioned=image_conditioned)
+                                       image_conditioned=image_conditioned, guidance_options=guidance_options)
         if base_model is None:
             raise ValueError(f"{path!r} is a bare LoRA adapter; give its base pipeline with --base_model.")
         policy = load_policy(base_model, dtype=dtype, max_sequence_length=max_sequence_length,
-                             image_conditioned=image_conditioned)
+                             image_conditioned=image_conditioned, guidance_options=guidance_options)
         policy.pipeline.load_lora_weights(os.path.dirname(os.path.abspath(lora)), weight_name=os.path.basename(lora))
         policy.pipeline.fuse_lora()
         policy.pipeline.unload_lora_weights()
@@ -127,8 +129,10 @@ def trained_settings(path: str | None) -> dict:
 def evaluate_model(path, args, accelerator, prompts: PromptSet, reward_fn, config: SamplingConfig) -> EvalResult:
     """``prompts`` evaluated with the model at ``path`` (loaded, sampled, then freed), as the flags say."""
     dtype = WEIGHT_DTYPES[args.mixed_precision]
+    guidance_options = guidance_options_of(vars(args))
     policy = load_model(path, base_model=args.base_model, use_ema=args.use_ema, dtype=dtype,
-                        max_sequence_length=args.max_sequence_length, image_conditioned=prompts.images is not None)
+                        max_sequence_length=args.max_sequence_length, image_conditioned=prompts.images is not None,
+                        guidance_options=guidance_options)
     policy.to(accelerator.device)  # text encoders and VAE were loaded in dtype
     policy.transformer.to(accelerator.device)
     if dtype != torch.float32:
@@ -141,7 +145,8 @@ def evaluate_model(path, args, accelerator, prompts: PromptSet, reward_fn, confi
                             keep_samples=None if args.save_samples == -1 else args.save_samples,
                             samples_per_prompt=args.samples_per_prompt)
     result = evaluate(policy, policy.transformer, prompts, reward_fn, settings, accelerator=accelerator)
-    result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision)
+    result.settings.update(model=path, use_ema=args.use_ema, reward_fn=args.reward_fn, mixed_precision=args.mixed_precision,
+                           **{k: getattr(policy, k) for k in policy.guidance_options if getattr(policy, k) is not None})
     del policy
     gc.collect()
     if torch.cuda.is_available():

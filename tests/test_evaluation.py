@@ -76,6 +76,7 @@ def _script_args(model, prompts_file, output_dir, *extra):
     (["--vae_decode_batch_size", "0"], "--vae_decode_batch_size must be at least 1; got 0."),
     (["--max_batches", "-1"], "--max_batches must be >= 0 (0 = every prompt); got -1."),
     (["--samples_per_prompt", "0"], "--samples_per_prompt must be at least 1; got 0."),
+    (["--cfg_normalization", "-1"], "--cfg_normalization must be a finite number >= 0 (0: off), got -1.0."),
     (["--ode_solver", "rk4"], "argument --ode_solver: invalid choice: 'rk4'"),
     (["--attention_backend", "warp_drive"], "--attention_backend 'warp_drive' is not a diffusers attention backend; choose"),
     (["--no_such_flag", "3"], "unrecognized arguments: --no_such_flag 3"),
@@ -117,6 +118,14 @@ def test_use_ema_without_ema_weights_is_one_sentence_naming_why(tiny_sd3, prompt
     assert {"missing": "is not a folder here", "base": "it is a base model",
             "no_ema": "was trained without --use_ema"}[case] in message
     assert "\n" not in message and message.endswith("leave out --use_ema." if case != "missing" else "genrl_config.json).")
+
+
+def test_a_guidance_option_of_another_family_is_one_sentence(tiny_sd3, prompt_file, tmp_path):
+    """Z-Image's --cfg_truncation on an SD3 model: refused from its model_index.json, in one sentence."""
+    with pytest.raises(SystemExit) as exit_info:
+        eval_genrl.run(_script_args(tiny_sd3, prompt_file, tmp_path / "out", "--cfg_truncation", "0.5"))
+    assert exit_info.value.code == (f"eval_genrl.py: error: --cfg_truncation applies only to ZImagePipeline; {tiny_sd3!r} is "
+                                    "a StableDiffusion3Pipeline.")
 
 
 # ------------------------------------------------------------------------------ batch plan

@@ -97,3 +97,9 @@ def train_export_and_evaluate(family: str, objective: str, use_lora: bool, confi
     run_script("eval_genrl.py", ["--model", out, "--output_dir", str(tmp_path / "eval")])
     metrics = json.load(open(tmp_path / "eval" / "metrics.json"))["metrics"]
     assert metrics[REWARD]["mean"] == pytest.approx(last_eval(out), abs=1e-5)
+    if family == "zimage":  # the pipeline's defaults given as flags win over the export's options, and sample otherwise
+        run_script("eval_genrl.py", ["--model", out, "--output_dir", str(tmp_path / "plain"), "--cfg_truncation", "1",
+                                     "--cfg_normalization", "0"])
+        plain = json.load(open(tmp_path / "plain" / "metrics.json"))
+        assert plain["settings"]["cfg_truncation"] == 1 and plain["settings"]["cfg_normalization"] == 0
+        assert abs(plain["metrics"][REWARD]["mean"] - last_eval(out)) > 1e-4

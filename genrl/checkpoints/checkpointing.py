@@ -515,15 +515,18 @@ def load_checkpoint(accelerator, path: str, ema: EMA | None = None, run: dict[st
 
 
 def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype = torch.float32,
-                        max_sequence_length: int | None = None, image_conditioned: bool | None = None) -> FlowPolicy:
+                        max_sequence_length: int | None = None, image_conditioned: bool | None = None,
+                        guidance_options: dict[str, float] | None = None) -> FlowPolicy:
     """A policy from a base model (folder or Hub id), a genrl export, or a checkpoint folder.
 
     With ``use_ema`` the EMA weights are loaded; asking for them where there are none is a
     ``SetupError`` naming why (no such folder, a base model, a run without EMA).
     ``max_sequence_length``: T5/UMT5 tokens per prompt; None: the training run's, else the
     pipeline's default. ``image_conditioned``: whether the prompts come with conditioning images
-    (``load_policy``; None: the pipeline's own class).
+    (``load_policy``; None: the pipeline's own class). ``guidance_options`` (Z-Image's
+    ``cfg_truncation``, ``cfg_normalization``) override those the run trained with.
     """
+    guidance_options = guidance_options or {}
     config_path = os.path.join(path, CONFIG_FILE)
     if not os.path.isfile(config_path):
         if use_ema and not os.path.isdir(path):
@@ -533,7 +536,7 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
             raise SetupError(f"{path!r} holds no {CONFIG_FILE}: it is a base model, not a genrl export or checkpoint, "
                              "so it has no EMA weights; leave out --use_ema.")
         return load_policy(path, dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
-                           image_conditioned=image_conditioned)
+                           image_conditioned=image_conditioned, guidance_options=guidance_options)
     with open(config_path) as f:
         config = json.load(f)
     if use_ema and not config.get("has_ema"):
@@ -543,7 +546,7 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
         max_sequence_length = trained_args.get("max_sequence_length")
     experts = {k: trained_args[k] for k in ("wan_expert", "guidance_scale_2") if trained_args.get(k) is not None}
     policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
-                         image_conditioned=image_conditioned, guidance_options=guidance_options_of(trained_args), **experts)
+                         image_conditioned=image_conditioned, guidance_options={**guidance_options_of(trained_args), **guidance_options}, **experts)
     suffix, component = "_ema" if use_ema else "", policy.trained_component
     if config["use_lora"] and not hasattr(policy.pipeline, "load_lora_weights"):  # HunyuanVideo 1.5: no LoRA loader
         policy.transformer.load_lora_adapter(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)

@@ -12,6 +12,7 @@ from transformers.hf_argparser import HfArg
 
 from genrl.config.files import GENRL_ROOT
 from genrl.config.parser import ConfigParser, HelpFormatter
+from genrl.config.sampling import check_guidance_options
 from genrl.distributed.launch import check_mixed_precision
 from genrl.math.sde import ODE_SOLVERS
 from genrl.rewards import check_reward_options
@@ -106,6 +107,14 @@ class EvalSamplingArguments:
         help="T5/UMT5 tokens per prompt, for both models of a comparison. Default: what the export trained with, else "
         "each pipeline's own.",
     )
+    cfg_truncation: float | None = HfArg(
+        default=None, help="Z-Image: guide only while the progress 1 - t/1000 is at most this, for both models of a "
+        "comparison. Default: what the export trained with, else its pipeline's 1 (every step).",
+    )
+    cfg_normalization: float | None = HfArg(
+        default=None, help="Z-Image: cap the guided velocity's norm at this many times the conditional one's, for both "
+        "models of a comparison. Default: what the export trained with, else its pipeline's, off.",
+    )
     vae_decode_batch_size: int = HfArg(
         default=1, help="Samples per VAE decode call (1: bounded memory; any size: batch-layout independent)."
     )
@@ -130,6 +139,7 @@ class EvalSamplingArguments:
             raise ValueError(f"--max_sequence_length must be at least 1 token; got {self.max_sequence_length}.")
         if self.vae_decode_batch_size < 1:
             raise ValueError(f"--vae_decode_batch_size must be at least 1; got {self.vae_decode_batch_size}.")
+        check_guidance_options(self.cfg_truncation, self.cfg_normalization)
         if self.attention_backend is not None:
             check_attention_backend_name(self.attention_backend)
         check_mixed_precision(self.mixed_precision)

@@ -73,16 +73,21 @@ class SamplingArguments:
             self.width = self.width or self.resolution
         if self.max_sequence_length is not None and self.max_sequence_length < 1:
             raise ValueError(f"--max_sequence_length must be at least 1 token; got {self.max_sequence_length}.")
-        if self.cfg_truncation is not None and not math.isfinite(self.cfg_truncation):
-            raise ValueError(f"--cfg_truncation must be a finite number (1: guide every step), got {self.cfg_truncation}.")
-        if self.cfg_normalization is not None and not (math.isfinite(self.cfg_normalization) and self.cfg_normalization >= 0):
-            raise ValueError(f"--cfg_normalization must be a finite number >= 0 (0: off), got {self.cfg_normalization}.")
+        check_guidance_options(self.cfg_truncation, self.cfg_normalization)
         if not math.isfinite(self.noise_level) or self.noise_level < 0:
             raise ValueError(f"--noise_level must be a finite number >= 0 (0: deterministic sampling), got {self.noise_level}.")
         if self.num_inference_steps < 1:
             raise ValueError(f"--num_inference_steps must be at least 1, got {self.num_inference_steps}.")
         if self.vae_decode_batch_size < 1:
             raise ValueError(f"--vae_decode_batch_size must be at least 1, got {self.vae_decode_batch_size}.")
+
+
+def check_guidance_options(cfg_truncation: float | None, cfg_normalization: float | None) -> None:
+    """Z-Image's guidance options as the flags give them (None: unset)."""
+    if cfg_truncation is not None and not math.isfinite(cfg_truncation):
+        raise ValueError(f"--cfg_truncation must be a finite number (1: guide every step), got {cfg_truncation}.")
+    if cfg_normalization is not None and not (math.isfinite(cfg_normalization) and cfg_normalization >= 0):
+        raise ValueError(f"--cfg_normalization must be a finite number >= 0 (0: off), got {cfg_normalization}.")
 
 
 def check_sde_window(args) -> None:
