@@ -196,6 +196,24 @@ def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(t
         WanPolicy(build_tiny_pipeline("wan"), expert="high")
 
 
+def test_the_low_noise_scale_is_the_pipelines_default_where_pipe_prompt_is_scored(policies):
+    """``pipe(prompt)`` guides Wan 2.2 A14B's low-noise steps at ``guidance_scale`` (its
+    ``guidance_scale_2`` defaults to None): a run's own second scale is set aside there."""
+    sizes = {f"default_{k}": v for k, v in TINY_SAMPLING_DEFAULTS["wan2.2-a14b"].items()}
+    policy = WanPolicy(policies["wan2.2-a14b"].pipeline, expert="high", guidance_scale_2=2.0, **sizes)
+    plain = WanPolicy(policies["wan2.2-a14b"].pipeline, expert="high", **sizes)
+    embeds = policy.encode_prompts(["a red circle"], "cpu", guidance_scale=4.0, negative_prompt="")
+    latents, t = policy.prepare_latents(_generators(1), 32, 32, 5, "cpu"), torch.tensor([100.0])  # a low-noise step
+    with torch.no_grad():
+        own = policy.predict_velocity(policy.transformer, latents, t, embeds, 4.0)
+        with policy.pipeline_call_guidance():
+            assert policy.guidance_scale_2 is None
+            at_defaults = policy.predict_velocity(policy.transformer, latents, t, embeds, 4.0)
+        assert policy.guidance_scale_2 == 2.0
+        assert torch.equal(at_defaults, plain.predict_velocity(plain.transformer, latents, t, embeds, 4.0))
+    assert not torch.allclose(own, at_defaults)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_max_sequence_length_sets_the_t5_tokens_and_the_model_runs_on_them(family, tiny_dirs):
     """SD3's prompt embeddings are its CLIP tokens (16 here) followed by the T5 ones; FLUX's and
