@@ -124,8 +124,8 @@ def test_a_guidance_option_of_another_family_is_one_sentence(tiny_sd3, prompt_fi
     """Z-Image's --cfg_truncation on an SD3 model: refused from its model_index.json, in one sentence."""
     with pytest.raises(SystemExit) as exit_info:
         eval_genrl.run(_script_args(tiny_sd3, prompt_file, tmp_path / "out", "--cfg_truncation", "0.5"))
-    assert exit_info.value.code == (f"eval_genrl.py: error: --cfg_truncation applies only to ZImagePipeline; {tiny_sd3!r} is "
-                                    "a StableDiffusion3Pipeline.")
+    assert exit_info.value.code == ("eval_genrl.py: error: --cfg_truncation applies only to ZImagePipeline; "
+                                    f"{tiny_sd3!r} is a StableDiffusion3Pipeline.")
 
 
 # ------------------------------------------------------------------------------ batch plan

@@ -171,7 +171,8 @@ def test_load_policy_errors(tmp_path, monkeypatch):
     with pytest.raises(SetupError, match=r"is a text-to-image pipeline \(FluxPipeline\)"):
         load_policy(str(tmp_path), image_conditioned=True)
     # A guidance option of another family's pipeline (Z-Image's), from the index alone.
-    with pytest.raises(SetupError, match=r"^--cfg_truncation applies only to ZImagePipeline; '.*' is a FluxPipeline\.$"):
+    with pytest.raises(SetupError,
+                       match=r"^--cfg_truncation applies only to ZImagePipeline; '.*' is a FluxPipeline\.$"):
         load_policy(str(tmp_path), guidance_options={"cfg_truncation": 0.5})
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
     with pytest.raises(SetupError, match=r"is an image-to-video pipeline \(WanImageToVideoPipeline\): every prompt needs a "
@@ -363,9 +364,8 @@ def test_zimage_guidance_options_sample_as_its_pipeline_does(options, policies):
     assert (rollout.final_latents - plain.final_latents).abs().max() > 1e-3, "the options must change the samples"
     latents = policy.prepare_latents([latent_generator(p, 7, 0, 0, True) for p in prompts], sizes["height"],
                                      sizes["width"], 1, "cpu")
-    call = dict(height=sizes["height"], width=sizes["width"],
-                num_inference_steps=4, guidance_scale=3.0, max_sequence_length=policy.max_sequence_length, latents=latents,
-                **options)
+    call = dict(height=sizes["height"], width=sizes["width"], num_inference_steps=4, guidance_scale=3.0,
+                max_sequence_length=policy.max_sequence_length, latents=latents, **options)
     final = policy.pipeline(prompt=list(prompts), negative_prompt=["dark"] * 2, **call, output_type="latent").images
     torch.testing.assert_close(rollout.final_latents, final, rtol=0, atol=1e-5)
     # Fresh lists again: the pipeline writes its chat template into the prompt lists it is given.

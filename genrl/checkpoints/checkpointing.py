@@ -545,8 +545,9 @@ def load_trained_policy(path: str, *, use_ema: bool = False, dtype: torch.dtype 
     if max_sequence_length is None:
         max_sequence_length = trained_args.get("max_sequence_length")
     experts = {k: trained_args[k] for k in ("wan_expert", "guidance_scale_2") if trained_args.get(k) is not None}
+    options = {**guidance_options_of(trained_args), **guidance_options}
     policy = load_policy(config["base_model"], dtype=dtype, max_sequence_length=max_sequence_length, sampling_only=True,
-                         image_conditioned=image_conditioned, guidance_options={**guidance_options_of(trained_args), **guidance_options}, **experts)
+                         image_conditioned=image_conditioned, guidance_options=options, **experts)
     suffix, component = "_ema" if use_ema else "", policy.trained_component
     if config["use_lora"] and not hasattr(policy.pipeline, "load_lora_weights"):  # HunyuanVideo 1.5: no LoRA loader
         policy.transformer.load_lora_adapter(path, weight_name=LORA_EMA_FILE if use_ema else LORA_FILE)

@@ -33,8 +33,8 @@ class SamplingArguments:
         default=None, help="Two-expert Wan 2.2: the guidance scale of the low-noise expert's steps (default: --guidance_scale)."
     )
     cfg_truncation: float | None = HfArg(
-        default=None, help="Z-Image: guide only while the progress 1 - t/1000 is at most this (default: its pipeline's 1, "
-        "every step).",
+        default=None, help="Z-Image: guide only while the progress 1 - t/1000 is at most this (default: its pipeline's "
+        "1, every step).",
     )
     cfg_normalization: float | None = HfArg(
         default=None, help="Z-Image: cap the guided velocity's norm at this many times the conditional one's (default: "

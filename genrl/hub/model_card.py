@@ -242,8 +242,9 @@ def sampling_settings(args: dict, is_video: bool, guidance_keyword: str = "guida
     did (``args``: the training arguments, as ``genrl_config.json`` records them): its steps,
     guidance (under the pipeline's ``guidance_keyword``), size, frames and text length where the
     run set them, the negative prompt where guidance uses it, and Wan 2.2 A14B's low-noise scale
-    ``guidance_scale_2`` and Z-Image's ``cfg_truncation`` and ``cfg_normalization`` where the run set them. A ``true_cfg_scale`` pipeline (Qwen-Image) guides
-    only when given a negative prompt: there it is passed even empty."""
+    ``guidance_scale_2`` and Z-Image's ``cfg_truncation`` and ``cfg_normalization`` where the run
+    set them. A ``true_cfg_scale`` pipeline (Qwen-Image) guides only when given a negative prompt:
+    there it is passed even empty."""
     guidance = args.get("eval_guidance_scale")
     guidance = args.get("guidance_scale") if guidance is None else guidance
     guided = guidance is not None and guidance > 1

@@ -91,7 +91,7 @@ class ZImagePolicy(FlowPolicy):
         x, t = latents.to(dtype), (1000 - timestep.float()) / 1000
         cfg = self.use_cfg(guidance_scale)
         scale = truncated_guidance_scale(guidance_scale, t, self.cfg_truncation) if cfg else None
-        cfg = cfg and bool((scale > 0).any())  # a step past the truncation is one conditional forward, as the pipeline's
+        cfg = cfg and bool((scale > 0).any())  # past the truncation: one conditional forward, as the pipeline's
         if cfg:
             # ZImagePipeline's order: [cond; uncond] in one forward.
             captions += token_rows(*self._require(embeds, "negative_prompt_embeds", "negative_prompt_embeds_mask"))

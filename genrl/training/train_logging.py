@@ -174,7 +174,7 @@ def evaluate_and_log(run: Run, *, step: int, epoch: int, at_pipeline_defaults: b
         probe = watch_probe(plan, policy, model, accelerator.device, run.reference())
         defaults = None
         if at_defaults:
-            with policy.pipeline_call_guidance():  # pipe(prompt) also leaves the family's guidance options at their defaults
+            with policy.pipeline_call_guidance():  # pipe(prompt) leaves the family's guidance options at their defaults
                 defaults = evaluate_plan(plan, policy, model, accelerator=accelerator, config=plan.pipeline_defaults,
                                          keep_samples=0)
     values = result.log_dict("eval")
