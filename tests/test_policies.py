@@ -134,9 +134,6 @@ def test_load_policy_errors(tmp_path, monkeypatch):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline"}))
     with pytest.raises(SetupError, match="StableDiffusionXLPipeline.*FluxPipeline.*WanPipeline"):
         load_policy(str(tmp_path))
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideo15ImageToVideoPipeline"}))
-    with pytest.raises(SetupError, match="is a HunyuanVideo 1.5 image-to-video pipeline .* train a text-to-video"):
-        load_policy(str(tmp_path))
     # A family the installed diffusers does not have yet (an older diffusers without Z-Image).
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
     import diffusers
@@ -174,10 +171,15 @@ def test_load_policy_errors(tmp_path, monkeypatch):
     with pytest.raises(SetupError,
                        match=r"^--cfg_truncation applies only to ZImagePipeline; '.*' is a FluxPipeline\.$"):
         load_policy(str(tmp_path), guidance_options={"cfg_truncation": 0.5})
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "WanImageToVideoPipeline"}))
-    with pytest.raises(SetupError, match=r"is an image-to-video pipeline \(WanImageToVideoPipeline\): every prompt needs a "
-                                         r"conditioning image, and the prompts have no image column"):
-        load_policy(str(tmp_path), image_conditioned=False)
+    for image_to_video in ("WanImageToVideoPipeline", "HunyuanVideo15ImageToVideoPipeline"):
+        (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": image_to_video}))
+        with pytest.raises(SetupError, match=rf"is an image-to-video pipeline \({image_to_video}\): every prompt needs a "
+                                             r"conditioning image, and the prompts have no image column"):
+            load_policy(str(tmp_path), image_conditioned=False)
+    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "HunyuanVideo15Pipeline"}))
+    with pytest.raises(SetupError, match=r"is a text-to-video pipeline \(HunyuanVideo15Pipeline\) and takes no conditioning "
+                                         r"image, but"):
+        load_policy(str(tmp_path), image_conditioned=True)
 
 
 def test_two_experts_each_train_their_own_steps_and_the_other_is_a_frozen_part(tiny_dirs):
@@ -426,13 +428,15 @@ def test_inputs_are_cast_to_a_bf16_transformer(tiny_dirs):
                                                     ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b/low", 3.0), ("zimage", 3.0),
                                                     ("zimage", 0.0), ("flux2-klein", 3.0), ("flux2-klein", 1.0),
                                                     ("qwenimage", 4.0), ("qwenimage", 1.0), ("flux2", 4.0),
-                                                    ("flux2", 1.5), ("hunyuanvideo15", 4.0), ("hunyuanvideo15", 1.0)])
+                                                    ("flux2", 1.5), ("hunyuanvideo15", 4.0), ("hunyuanvideo15", 1.0),
+                                                    ("hunyuanvideo15-i2v", 4.0), ("hunyuanvideo15-i2v", 1.0)])
 def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, policies):
     """Noise level 0 makes our loop the pipeline's own Euler sampler: same initial noise, same
     prompt encoding, schedule, guidance and decoding must give the same frames. Wan 2.2 A14B's
     experts each sample their own steps, the low-noise one at its own guidance scale, whichever
     of them is the trained one. Image-to-video samples from the same image as the pipeline (Wan
-    2.1 I2V: its CLIP embeddings too; TI2V: as the first latent frame)."""
+    2.1 I2V: its CLIP embeddings too; TI2V: as the first latent frame; HunyuanVideo 1.5 I2V: its
+    SigLIP embeddings too, at the size the pipeline picks for the image's aspect ratio)."""
     family, _, expert = family.partition("/")
     policy = policies[family]
     extra = {}
@@ -442,16 +446,19 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         extra = {"guidance_scale_2": 2.0}
     height, width, num_frames = TINY_SAMPLING_DEFAULTS[family].values()
     prompts = ["a red circle above a blue square", "three green triangles"]
-    if family == "hunyuanvideo15":  # its second encoder (ByT5) reads the prompt's quoted text
+    if policy.family == "hunyuanvideo15":  # its second encoder (ByT5) reads the prompt's quoted text
         prompts[1] = 'a sign that says "open" near a tree'
     config = SamplingConfig(num_inference_steps=4, guidance_scale=guidance_scale, noise_level=0.0, negative_prompt="dark")
-    images = [_image(0)] * 2 if policy.image_conditioned else None
+    # HunyuanVideo 1.5 I2V samples at the size its pipeline picks for the image: images of 5:8 give the tiny 32 x 48.
+    image_size = (40, 64) if family == "hunyuanvideo15-i2v" else (40, 48)
+    images = [_image(0, *image_size)] * 2 if policy.image_conditioned else None
     rollout = sample_rollout(policy, policy.transformer, SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=images),
                              config=config, device="cpu")
     assert rollout.num_steps == 0
     if images is not None:
         extra["image"] = images[0]
-        other = sample_rollout(policy, policy.transformer, SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=[_image(1)] * 2),
+        other = sample_rollout(policy, policy.transformer,
+                               SampleBatch(prompts, [0, 0], seed=7, epoch=0, images=[_image(1, *image_size)] * 2),
                                config=config, device="cpu")
         assert (other.samples - rollout.samples).abs().max() > 0.01, "the image must condition the samples"
 
@@ -486,8 +493,10 @@ def test_deterministic_rollout_matches_the_pipeline(family, guidance_scale, poli
         expected = policy.pipeline(latents=latents, **kwargs).images.unsqueeze(2)
     elif policy.family == "hunyuanvideo15":  # guided by its guider component; its VAE decodes one clip at a time
         pipeline, guider = policy.pipeline, policy.pipeline.guider
-        call = dict(prompt=prompts, negative_prompt=["dark"] * 2, height=height, width=width, num_frames=num_frames,
-                    num_inference_steps=4, latents=latents)
+        call = dict(prompt=prompts, negative_prompt=["dark"] * 2, num_frames=num_frames, num_inference_steps=4,
+                    latents=latents, **extra)
+        if not policy.image_conditioned:  # image-to-video: the size is the one it picks for the image
+            call.update(height=height, width=width)
         pipeline.guider, pipeline.vae.use_slicing = ClassifierFreeGuidance(guidance_scale=guidance_scale), True
         try:
             expected = pipeline(**call, output_type="pt").frames.permute(0, 2, 1, 3, 4)

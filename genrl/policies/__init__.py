@@ -14,7 +14,8 @@ from genrl.evaluation.pipeline_defaults import GUIDANCE_OPTION_FLAGS
 from genrl.policies.base import FlowPolicy
 from genrl.policies.flux import FluxPolicy
 from genrl.policies.flux2 import Flux2KleinPolicy, Flux2Policy
-from genrl.policies.hunyuan15 import HunyuanVideo15Policy, image_to_video_message
+from genrl.policies.hunyuan15 import HunyuanVideo15Policy
+from genrl.policies.hunyuan15_i2v import HunyuanVideo15ImageToVideoPolicy
 from genrl.policies.qwenimage import QwenImagePolicy
 from genrl.policies.qwenimage_edit import QwenImageEditPlusPolicy, QwenImageEditPolicy
 from genrl.policies.sd3 import SD3Policy
@@ -33,6 +34,7 @@ POLICIES: dict[str, type[FlowPolicy]] = {
     "QwenImagePipeline": QwenImagePolicy,
     "Flux2Pipeline": Flux2Policy,
     "HunyuanVideo15Pipeline": HunyuanVideo15Policy,
+    "HunyuanVideo15ImageToVideoPipeline": HunyuanVideo15ImageToVideoPolicy,
     "QwenImageEditPipeline": QwenImageEditPolicy,
     "QwenImageEditPlusPipeline": QwenImageEditPlusPolicy,
 }
@@ -42,7 +44,8 @@ POLICIES: dict[str, type[FlowPolicy]] = {
 SAMPLING_DEFAULTS_FILE = "sampling_defaults.json"
 
 __all__ = ["FlowPolicy", "WanPolicy", "WanImageToVideoPolicy", "SD3Policy", "FluxPolicy", "ZImagePolicy", "Flux2KleinPolicy",
-           "Flux2Policy", "QwenImagePolicy", "QwenImageEditPolicy", "QwenImageEditPlusPolicy", "HunyuanVideo15Policy", "POLICIES", "load_policy", "policy_for_pipeline"]
+           "Flux2Policy", "QwenImagePolicy", "QwenImageEditPolicy", "QwenImageEditPlusPolicy", "HunyuanVideo15Policy",
+           "HunyuanVideo15ImageToVideoPolicy", "POLICIES", "load_policy", "policy_for_pipeline"]
 
 
 def _read_json(path_or_id: str, filename: str, revision: str | None, required: bool) -> dict | None:
@@ -159,8 +162,6 @@ def load_policy(
     path = os.fspath(pretrained_model_name_or_path)
     index = _read_json(path, "model_index.json", revision, required=True)
     class_name = index.get("_class_name")
-    if class_name == "HunyuanVideo15ImageToVideoPipeline":
-        raise SetupError(image_to_video_message(path))
     if class_name not in POLICIES:
         raise SetupError(f"Unsupported pipeline class {class_name!r} in {path!r}; supported: {sorted(POLICIES)}.")
     if getattr(diffusers, class_name, None) is None:

@@ -22,6 +22,7 @@ from typing import Iterator, Sequence
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
+from genrl.data.prompt_images import read_image, unique_images
 from genrl.data.seeding import randn_per_sample
 
 
@@ -177,10 +178,26 @@ class FlowPolicy:
         self, images: Sequence | None, height: int, width: int, num_frames: int, device: torch.device | str
     ) -> dict[str, torch.Tensor]:
         """The conditioning of ``images`` (one per prompt; None for the text-only families),
-        every tensor ``(B, ...)``, to join the prompt embeddings."""
-        if images is not None:
-            raise ValueError(f"{type(self.pipeline).__name__} takes no conditioning images; sample it with images=None.")
-        return {}
+        every tensor ``(B, ...)``, to join the prompt embeddings: an image-to-video family's
+        ``_encode_image`` of each distinct image, once (a prompt group's samples share theirs)."""
+        name = type(self.pipeline).__name__
+        if not self.image_conditioned:
+            if images is not None:
+                raise ValueError(f"{name} takes no conditioning images; sample it with images=None.")
+            return {}
+        if images is None or len(images) == 0:
+            raise ValueError(f"{name} samples from an image: give one image per prompt.")
+        unique, rows = unique_images(images)
+        with torch.no_grad():
+            parts = [self._encode_image(read_image(image), height, width, num_frames, torch.device(device)) for image in unique]
+        index = torch.tensor(rows, device=device)
+        return {key: torch.cat([part[key] for part in parts])[index] for key in parts[0]}
+
+    def _encode_image(
+        self, image, height: int, width: int, num_frames: int, device: torch.device
+    ) -> dict[str, torch.Tensor]:
+        """One RGB PIL image's conditioning, every tensor ``(1, ...)`` (image-to-video families)."""
+        raise NotImplementedError
 
     def encode_conditioning(
         self, prompts: list[str], images: Sequence | None, height: int, width: int, num_frames: int,

@@ -15,13 +15,6 @@ from genrl.policies.masked_text import pad_to_width, valid_lengths
 TEXT_KEYS = ("prompt_embeds", "prompt_embeds_mask", "glyph_embeds", "glyph_embeds_mask")
 
 
-def image_to_video_message(source: str) -> str:
-    """Why a HunyuanVideo 1.5 image-to-video checkpoint is refused, in one sentence."""
-    return (f"{source!r} is a HunyuanVideo 1.5 image-to-video pipeline (HunyuanVideo15ImageToVideoPipeline), which genrl "
-            "does not train; train a text-to-video checkpoint of it (e.g. hunyuanvideo-community/"
-            "HunyuanVideo-1.5-Diffusers-480p_t2v).")
-
-
 def check_guider(guider) -> None:
     """The pipeline's guider must be plain CFG, v = v_u + g (v_c - v_u) at every step, which
     ``predict_velocity`` reproduces; anything else is one sentence."""
@@ -119,27 +112,35 @@ class HunyuanVideo15Policy(FlowPolicy):
     def predict_velocity(self, transformer, latents, timestep, embeds, guidance_scale):
         dtype = module_dtype(transformer)
         text = self._require(embeds, *TEXT_KEYS)
-        x, t = latents, timestep
+        condition, image = self._image_inputs(latents, embeds)
+        x, t = torch.cat([latents, condition.to(latents.dtype)], dim=1), timestep
         cfg = self.use_cfg(guidance_scale)
-        if cfg:  # [uncond; cond] in one forward
+        if cfg:  # [uncond; cond] in one forward, both with the image
             negative = self._require(embeds, *(f"negative_{k}" for k in TEXT_KEYS))
             text = [torch.cat([n, c]) for n, c in zip(negative, text)]
-            x, t = torch.cat([x, x]), torch.cat([t, t])
+            x, t, image = torch.cat([x, x]), torch.cat([t, t]), torch.cat([image, image])
         context, mask, glyphs, glyph_mask = text
         tokens, glyph_tokens = max(valid_lengths(mask)), max(valid_lengths(glyph_mask))
-        batch, channels, frames, h, w = x.shape
-        no_image = x.new_zeros(batch, channels + 1, frames, h, w)  # text-to-video: zero condition latents and mask
         velocity = transformer(
-            hidden_states=torch.cat([x, no_image], dim=1).to(dtype),
+            hidden_states=x.to(dtype),
             timestep=t.to(dtype),
             encoder_hidden_states=context[:, :tokens].to(dtype),
             encoder_attention_mask=mask[:, :tokens],
             encoder_hidden_states_2=glyphs[:, :glyph_tokens].to(dtype),
             encoder_attention_mask_2=glyph_mask[:, :glyph_tokens],
-            image_embeds=x.new_zeros(batch, 0, self.transformer.config.image_embed_dim, dtype=dtype),
+            image_embeds=image.to(dtype),
             return_dict=False,
         )[0]
         return self._guided(velocity, guidance_scale) if cfg else velocity.float()
+
+    def _image_inputs(self, latents: torch.Tensor, embeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the transformer takes of the image for ``latents`` ``(B, C, F', h, w)``: the condition
+        channels ``(B, C + 1, F', h, w)`` (condition latents, then the mask) and the image embeddings
+        ``(B, N, D)``. Text-to-video: zero channels and no image token (the pipeline's zero embeddings,
+        which the transformer masks out)."""
+        batch, channels, frames, h, w = latents.shape
+        return (latents.new_zeros(batch, channels + 1, frames, h, w),
+                latents.new_zeros(batch, 0, self.transformer.config.image_embed_dim))
 
     @torch.no_grad()
     def decode(self, latents):

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import torch
 
-from genrl.data.prompt_images import read_image, unique_images
 from genrl.policies.wan import WanPolicy
 
 
@@ -52,15 +51,6 @@ class WanImageToVideoPolicy(WanPolicy):
 
     def latent_shape(self, height, width, num_frames):
         return (self.pipeline.vae.config.z_dim, *super().latent_shape(height, width, num_frames)[1:])
-
-    @torch.no_grad()
-    def encode_images(self, images, height, width, num_frames, device):
-        if images is None or len(images) == 0:
-            raise ValueError(f"{type(self.pipeline).__name__} samples from an image: give one image per prompt.")
-        unique, rows = unique_images(images)
-        parts = [self._encode_image(read_image(image), height, width, num_frames, torch.device(device)) for image in unique]
-        index = torch.tensor(rows, device=device)
-        return {name: torch.cat([part[name] for part in parts])[index] for name in parts[0]}
 
     def _encode_image(self, image, height: int, width: int, num_frames: int, device: torch.device) -> dict[str, torch.Tensor]:
         """One PIL image's ``condition`` (and ``image_embeds``), batch of 1, by the pipeline's own

@@ -35,6 +35,7 @@ from diffusers import (
     Flux2Transformer2DModel,
     FluxPipeline,
     FluxTransformer2DModel,
+    HunyuanVideo15ImageToVideoPipeline,
     HunyuanVideo15Pipeline,
     HunyuanVideo15Transformer3DModel,
     QwenImageEditPipeline,
@@ -69,6 +70,9 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3Model,
+    SiglipImageProcessorPil,
+    SiglipVisionConfig,
+    SiglipVisionModel,
     T5Config,
     T5EncoderModel,
     UMT5Config,
@@ -87,10 +91,12 @@ FAMILIES = ("wan", "sd3", "flux", "zimage", "flux2-klein", "qwenimage", "flux2",
 # (``WanImageToVideoPipeline``): "wan2.1-i2v" Wan 2.1 I2V's (a CLIP image encoder, the image's
 # latents and mask concatenated to the noise), "wan2.2-i2v-a14b" Wan 2.2 I2V A14B's (two such
 # experts, no CLIP), "wan2.2-i2v" Wan 2.2 TI2V-5B's sampling from an image (its first latent frame);
+# "hunyuanvideo15-i2v" HunyuanVideo 1.5 I2V's (``HunyuanVideo15ImageToVideoPipeline``: a SigLIP image
+# encoder, the image's latents and mask concatenated to the noise);
 # image editing: "qwenimage-edit" Qwen-Image-Edit's (``QwenImageEditPipeline``), "qwenimage-edit-plus"
 # Qwen-Image-Edit-2511's (``QwenImageEditPlusPipeline``, the image's tokens at timestep 0).
-VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b", "wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-i2v", "qwenimage-edit",
-            "qwenimage-edit-plus")
+VARIANTS = ("wan2.2", "sd3.5", "wan2.2-a14b", "wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-i2v", "hunyuanvideo15-i2v",
+            "qwenimage-edit", "qwenimage-edit-plus")
 
 # Default sampling size of the tiny pipelines: 32x32 images; Wan 5 frames -> 2 latent frames
 # (Wan 2.2: 64x64, the smallest size with more than one token per frame at 16x times patch 2).
@@ -110,6 +116,7 @@ TINY_SAMPLING_DEFAULTS = {
     "flux2": {"height": 32, "width": 32, "num_frames": 1},
     # 16x VAE: 2x3 latent pixels (not square, so that height and width cannot be swapped unseen).
     "hunyuanvideo15": {"height": 32, "width": 48, "num_frames": 5},
+    "hunyuanvideo15-i2v": {"height": 32, "width": 48, "num_frames": 5},
     # Conditioning images of 64 x 64 pixels (the pipelines' 1024 x 1024 take the tiny VAE seconds).
     "qwenimage-edit": {"height": 32, "width": 32, "num_frames": 1, "condition_image_area": 64 * 64},
     "qwenimage-edit-plus": {"height": 32, "width": 32, "num_frames": 1, "condition_image_area": 64 * 64},
@@ -656,7 +663,7 @@ def _build_qwenimage_edit_plus() -> QwenImageEditPlusPipeline:
     return _build_qwenimage_edit(QwenImageEditPlusPipeline, zero_cond_t=True)
 
 
-def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
+def _hunyuanvideo15_components(**transformer_config) -> dict:
     """HunyuanVideo 1.5's text-to-video layout: an MMDiT over the latents of a 16x spatial, 4x temporal
     causal VAE, which it takes beside as many condition channels and a mask channel (zero without an
     image); prompts as the third-to-last hidden states of Qwen2.5-VL's language model (so three layers
@@ -666,7 +673,7 @@ def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
     transformer = HunyuanVideo15Transformer3DModel(
         in_channels=2 * z_dim + 1, out_channels=z_dim, num_attention_heads=2, attention_head_dim=16, num_layers=2,
         num_refiner_layers=1, text_embed_dim=text_width, text_embed_2_dim=glyph_width, image_embed_dim=16,
-        rope_axes_dim=(4, 6, 6), target_size=64, task_type="t2v",  # the rope axes sum to the head dim
+        rope_axes_dim=(4, 6, 6), **transformer_config,  # the rope axes sum to the head dim
     )
     vae = AutoencoderKLHunyuanVideo15(
         latent_channels=z_dim, block_out_channels=(8, 8, 8, 8, 8), layers_per_block=1,
@@ -680,11 +687,28 @@ def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
     ))
     glyph_encoder = T5EncoderModel(T5Config(**{**_TINY_T5, "vocab_size": 384, "d_model": glyph_width},
                                             feed_forward_proj="gated-gelu"))  # ByT5: 256 bytes, 3 special and 125 extra ids
-    return HunyuanVideo15Pipeline(
+    return dict(
         text_encoder=text_encoder, tokenizer=tiny_qwen25_tokenizer(), transformer=transformer, vae=vae,
         scheduler=FlowMatchEulerDiscreteScheduler(shift=5.0), text_encoder_2=glyph_encoder,
         tokenizer_2=ByT5Tokenizer(), guider=ClassifierFreeGuidance(guidance_scale=6.0),
     )
+
+
+def _build_hunyuanvideo15() -> HunyuanVideo15Pipeline:
+    return HunyuanVideo15Pipeline(**_hunyuanvideo15_components(target_size=64, task_type="t2v"))
+
+
+def _build_hunyuanvideo15_i2v() -> HunyuanVideo15ImageToVideoPipeline:
+    """HunyuanVideo 1.5's image-to-video layout: the text-to-video one (the same weights for a seed),
+    the image's latents and mask in the condition channels, and a SigLIP vision encoder whose last
+    hidden states (16 tokens of width 16 here; 729 of 1152) the transformer attends to beside the
+    text. Its target size of 40 pixels makes the pipeline sample an image of 3:2 (width to height; or a
+    little wider) at the tiny default 32 x 48, as the 480p checkpoints sample a 16:9 one at 480 x 848."""
+    components = _hunyuanvideo15_components(target_size=40, task_type="i2v")
+    encoder = SiglipVisionModel(SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                                   num_attention_heads=2, image_size=32, patch_size=8))
+    return HunyuanVideo15ImageToVideoPipeline(**components, image_encoder=encoder,
+                                              feature_extractor=SiglipImageProcessorPil(size={"height": 32, "width": 32}))
 
 
 def _build_sd35() -> StableDiffusion3Pipeline:
@@ -695,7 +719,7 @@ def _build_sd35() -> StableDiffusion3Pipeline:
 
 _BUILDERS = {"wan": _build_wan, "sd3": _build_sd3, "flux": _build_flux, "zimage": _build_zimage,
              "flux2-klein": _build_flux2_klein, "qwenimage": _build_qwenimage, "flux2": _build_flux2,
-             "hunyuanvideo15": _build_hunyuanvideo15,
+             "hunyuanvideo15": _build_hunyuanvideo15, "hunyuanvideo15-i2v": _build_hunyuanvideo15_i2v,
              "wan2.2": _build_wan22, "sd3.5": _build_sd35, "wan2.2-a14b": _build_wan22_a14b, "wan2.1-i2v": _build_wan21_i2v,
              "wan2.2-i2v-a14b": _build_wan22_i2v_a14b, "wan2.2-i2v": _build_wan22_i2v,
              "qwenimage-edit": _build_qwenimage_edit, "qwenimage-edit-plus": _build_qwenimage_edit_plus}
@@ -724,20 +748,29 @@ def save_tiny_pipeline(family: str, path: str | os.PathLike, seed: int = 0) -> s
     pipeline.save_pretrained(path)
     if isinstance(getattr(pipeline, "processor", None), ImageTextQwen2VLProcessor):
         _name_processor_as_transformers(path)
+    if isinstance(getattr(pipeline, "feature_extractor", None), SiglipImageProcessorPil):
+        # As the published HunyuanVideo 1.5 I2V checkpoints name it (transformers builds its PIL
+        # backend for that name where torchvision is missing).
+        _name_in_index(path, "feature_extractor", "SiglipImageProcessor")
     write_sampling_defaults(path, family)
     return path
+
+
+def _name_in_index(path: str, component: str, class_name: str) -> None:
+    """The saved pipeline folder ``path``'s ``model_index.json`` names ``component`` transformers' ``class_name``."""
+    index_path = os.path.join(path, "model_index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index[component] = ["transformers", class_name]
+    with open(index_path, "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def _name_processor_as_transformers(path: str) -> None:
     """A saved Qwen-Image-Edit folder names its processor transformers' ``Qwen2VLProcessor``, as the
     published checkpoints do (the tiny one is built as ``ImageTextQwen2VLProcessor``, whose files
     are that processor's, less the video half)."""
-    index_path = os.path.join(path, "model_index.json")
-    with open(index_path) as f:
-        index = json.load(f)
-    index["processor"] = ["transformers", "Qwen2VLProcessor"]
-    with open(index_path, "w") as f:
-        json.dump(index, f, indent=2)
+    _name_in_index(path, "processor", "Qwen2VLProcessor")
     for name in ("processor_config.json", "tokenizer_config.json"):
         config_path = os.path.join(path, "processor", name)
         with open(config_path) as f:
