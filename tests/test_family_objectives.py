@@ -2,11 +2,14 @@
 (``update_policy``, the trainer's phase 6, in this process) on a tiny rollout of the family's
 real layout moves the trained weights and nothing else, with finite losses and a non-zero
 gradient. The scripts' multi-process runs of each family (tests/test_image_families.py,
-test_wan_i2v.py, test_wan_experts.py) run one objective each; this covers the rest."""
+test_wan_i2v.py, test_wan_experts.py) run one objective each; this covers the rest, and
+HunyuanVideo 1.5's image-to-video layout, sampled from images."""
 
 import copy
 from types import SimpleNamespace
 
+import numpy as np
+import PIL.Image
 import pytest
 import torch
 from accelerate import Accelerator
@@ -25,6 +28,8 @@ pytestmark = pytest.mark.extended
 PROMPTS = ["a red circle", "a red circle", "a blue square", "a blue square"]
 GROUP_INDICES = [0, 1, 0, 1]
 ADVANTAGES = torch.tensor([1.0, -1.0, 0.5, -0.5])
+# An image-to-video family's: each prompt's own.
+IMAGES = [PIL.Image.fromarray((np.random.RandomState(s).rand(24, 40, 3) * 255).astype(np.uint8)) for s in range(4)]
 
 
 def sampling_for(objective: str, family: str) -> SamplingConfig:
@@ -48,7 +53,8 @@ def one_update(policy, objective: str, use_lora: bool, sampling: SamplingConfig)
     trainable = make_trainable(model, use_lora=use_lora, rank=4, lora_alpha=8, lora_target_modules="to_q,to_k,to_v,to_out.0",
                                gradient_checkpointing=False, float32=True)
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
-    rollout = sample_rollout(policy, model, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0),
+    images = IMAGES if policy.image_conditioned else None
+    rollout = sample_rollout(policy, model, SampleBatch(PROMPTS, GROUP_INDICES, seed=0, epoch=0, images=images),
                              config=sampling, device="cpu")
     config = UpdateConfig(objective=objective, micro_batch_size=2, num_timesteps=2, num_inference_steps=4,
                           guidance_scale=sampling.guidance_scale, max_grad_norm=1.0, clip_range=0.2, adv_clip_max=5.0)
@@ -64,7 +70,7 @@ def one_update(policy, objective: str, use_lora: bool, sampling: SamplingConfig)
     return model, before, result
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [*FAMILIES, "hunyuanvideo15-i2v"])
 def test_every_objective_trains_lora_and_full_weights(family):
     torch.manual_seed(0)
     policy = build_tiny_policy(family).to("cpu")

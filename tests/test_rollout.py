@@ -265,7 +265,8 @@ def test_two_experts_recompute_the_log_probs_of_a_batch_mixing_their_steps(exper
 
 
 @pytest.mark.parametrize("family, guidance_scale", [("wan2.1-i2v", 3.0), ("wan2.2-i2v", 1.0), ("wan2.2-i2v-a14b", 3.0),
-                                                    ("qwenimage-edit", 4.0), ("qwenimage-edit-plus", 1.0)])
+                                                    ("hunyuanvideo15-i2v", 4.0), ("qwenimage-edit", 4.0),
+                                                    ("qwenimage-edit-plus", 1.0)])
 def test_image_conditioned_families_recompute_their_log_probs(family, guidance_scale):
     """The image conditioning travels with the prompt embeddings: the recorded transitions of two
     prompt groups, each with its own image, re-scored in one batch give the recorded log-probs
