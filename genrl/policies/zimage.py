@@ -89,9 +89,10 @@ class ZImagePolicy(FlowPolicy):
         dtype = module_dtype(transformer)
         captions = token_rows(*self._require(embeds, "prompt_embeds", "prompt_embeds_mask"))
         x, t = latents.to(dtype), (1000 - timestep.float()) / 1000
-        cfg = self.use_cfg(guidance_scale)
-        scale = truncated_guidance_scale(guidance_scale, t, self.cfg_truncation) if cfg else None
-        cfg = cfg and bool((scale > 0).any())  # past the truncation: one conditional forward, as the pipeline's
+        cfg, scale = self.use_cfg(guidance_scale), None
+        if cfg and self.cfg_truncation < 1:  # only then can a step be past it (reading t syncs with the device)
+            scale = truncated_guidance_scale(guidance_scale, t, self.cfg_truncation)
+            cfg = bool((scale > 0).any())  # every sample past it: one conditional forward, as the pipeline's
         if cfg:
             # ZImagePipeline's order: [cond; uncond] in one forward.
             captions += token_rows(*self._require(embeds, "negative_prompt_embeds", "negative_prompt_embeds_mask"))
@@ -102,6 +103,8 @@ class ZImagePolicy(FlowPolicy):
         if not cfg:
             return velocity
         v_cond, v_uncond = velocity.chunk(2)
+        if scale is None:
+            return renormalized_guidance(v_cond + guidance_scale * (v_cond - v_uncond), v_cond, self.cfg_normalization)
         scale = expand_per_sample(scale, v_cond)
         guided = renormalized_guidance(v_cond + scale * (v_cond - v_uncond), v_cond, self.cfg_normalization)
         return torch.where(scale > 0, guided, v_cond)  # unguided samples are not renormalized either
